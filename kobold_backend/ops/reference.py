@@ -1,0 +1,118 @@
+"""Pure-torch definitions of every engine operation: the oracle for the native kernels and the last fallback."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kobold_backend.engine.gptq import GPTQWeight
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    residual_out = x + residual
+    return rms_norm(residual_out, weight, eps), residual_out
+
+
+def unpack_int4_rows(qweight: torch.Tensor) -> torch.Tensor:
+    """[K/8, N] int32 -> [K, N] int32 holding values 0..15 (row 8r+j from bits 4j..4j+3)."""
+    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
+    q = (qweight.unsqueeze(1) >> shifts.view(1, 8, 1)) & 0xF
+    return q.reshape(qweight.shape[0] * 8, qweight.shape[1])
+
+
+def unpack_int4_cols(qzeros: torch.Tensor) -> torch.Tensor:
+    """[G, N/8] int32 -> [G, N] int32 holding values 0..15 (column 8c+j from bits 4j..4j+3)."""
+    shifts = torch.arange(0, 32, 4, device=qzeros.device, dtype=torch.int32)
+    z = (qzeros.unsqueeze(2) >> shifts.view(1, 1, 8)) & 0xF
+    return z.reshape(qzeros.shape[0], qzeros.shape[1] * 8)
+
+
+def gptq_dequantize(w: GPTQWeight) -> torch.Tensor:
+    """[K, N] weights in sorted row order, in the dtype of `w.scales`."""
+    q = unpack_int4_rows(w.qweight)[: w.in_features]
+    groups = torch.arange(w.in_features, device=q.device) // w.group_size
+    return (q.to(w.scales.dtype) - w.zeros[groups]) * w.scales[groups]
+
+
+def gptq_matmul(x: torch.Tensor, w: GPTQWeight) -> torch.Tensor:
+    if w.perm is not None:
+        x = x.index_select(-1, w.perm)
+    y = torch.matmul(x, gptq_dequantize(w).to(x.dtype))
+    if w.bias is not None:
+        y = y + w.bias.to(y.dtype)
+    return y
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_cache_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """q,k,v: [B, T, H, D]; cos/sin: [S, D]; caches [B, Hkv, S, D] written at pos..pos+T-1."""
+    t = q.shape[1]
+    c = cos[pos : pos + t].view(1, t, 1, -1)
+    s = sin[pos : pos + t].view(1, t, 1, -1)
+    q_rot = (q.float() * c + rotate_half(q.float()) * s).to(q.dtype)
+    k_rot = (k.float() * c + rotate_half(k.float()) * s).to(k.dtype)
+    k_cache[:, :, pos : pos + t].copy_(k_rot.transpose(1, 2))
+    v_cache[:, :, pos : pos + t].copy_(v.transpose(1, 2))
+    return q_rot
+
+
+def attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of q [B, T, Hq, D] (positions pos..pos+T-1) over cache[:, :, :pos+T]."""
+    b, t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    n = pos + t
+    k = k_cache[:, :, :n]
+    v = v_cache[:, :, :n]
+    if hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    qh = q.transpose(1, 2)
+    scores = torch.matmul(qh.float(), k.float().transpose(-1, -2)) * scale
+    if t > 1:
+        rows = torch.arange(pos, n, device=q.device).view(t, 1)
+        cols = torch.arange(n, device=q.device).view(1, n)
+        scores = scores.masked_fill(cols > rows, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.float()).to(q.dtype)
+    return out.transpose(1, 2)
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int, scale: float
+) -> torch.Tensor:
+    """q [B, Hq, D] against the first seq_len cached positions -> [B, Hq, D]."""
+    return attention(q.unsqueeze(1), k_cache, v_cache, seq_len - 1, scale).squeeze(1)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
