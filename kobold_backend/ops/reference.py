@@ -92,14 +92,13 @@ def attention(
     if hq != hkv:
         k = k.repeat_interleave(hq // hkv, dim=1)
         v = v.repeat_interleave(hq // hkv, dim=1)
-    qh = q.transpose(1, 2)
-    scores = torch.matmul(qh.float(), k.float().transpose(-1, -2)) * scale
-    if t > 1:
+    mask = None
+    if t > 1 and pos > 0:
         rows = torch.arange(pos, n, device=q.device).view(t, 1)
-        cols = torch.arange(n, device=q.device).view(1, n)
-        scores = scores.masked_fill(cols > rows, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.float()).to(q.dtype)
+        mask = torch.arange(n, device=q.device).view(1, n) <= rows
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=mask, is_causal=(t > 1 and pos == 0), scale=scale
+    )
     return out.transpose(1, 2)
 
 

@@ -1,0 +1,185 @@
+"""load_model(folder) -> LoadedModel: reads config, tokenizer and weights (tensor by tensor) onto devices."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.gptq import load_gptq_linear
+from kobold_backend.engine.model import Layer, Model, Weight
+from kobold_backend.engine.rope import cos_sin_tables
+from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
+from kobold_backend.engine.weights import WeightReader
+from kobold_backend.errors import ModelFormatError
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int, str], None]
+DEFAULT_MAX_SEQ_LEN = 8192
+
+_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+@dataclass
+class LoadedModel:
+    """A model with its tokenizer; `unload()` frees every tensor it holds."""
+
+    model: Model
+    tokenizer: Tokenizer
+    config: ModelConfig
+    path: Path
+    name: str
+
+    def unload(self) -> None:
+        devices = {layer.device for layer in self.model.layers} | {self.model.device}
+        self.model.layers.clear()
+        self.model.embed_tokens = self.model.norm = self.model.lm_head = None  # type: ignore[assignment]
+        self.model.cos.clear()
+        self.model.sin.clear()
+        gc.collect()
+        if any(d.type == "cuda" for d in devices) and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"Device {device} was asked for but this torch build sees no CUDA GPU.")
+    return dev
+
+
+def resolve_dtype(dtype: Optional[str], device: torch.device, config: ModelConfig) -> torch.dtype:
+    if dtype is not None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(sorted(_DTYPES))}")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    if config.torch_dtype == "bfloat16" and not config.is_gptq:
+        return torch.bfloat16
+    return torch.float16
+
+
+def load_model(
+    path: str | Path,
+    device: str = "auto",
+    dtype: Optional[str] = None,
+    max_seq_len: Optional[int] = None,
+    embed_on_cpu: bool = False,
+    rope_alpha: float = 1.0,
+    compress_pos_emb: float = 1.0,
+    layer_devices: Optional[Sequence[str]] = None,
+    progress: Optional[Progress] = None,
+) -> LoadedModel:
+    """Load a Llama-family checkpoint (dense or GPTQ 4-bit) from a folder.
+
+    `layer_devices` places each decoder layer (one entry per layer); otherwise all go to `device`.
+    """
+    folder = Path(path)
+    config = ModelConfig.from_dir(folder)
+    tokenizer = load_tokenizer(folder, config.bos_token_id, config.eos_token_ids)
+    main = resolve_device(device)
+    compute_dtype = resolve_dtype(dtype, main, config)
+    if layer_devices is not None and len(layer_devices) != config.num_layers:
+        raise ValueError(f"layer_devices has {len(layer_devices)} entries for {config.num_layers} layers")
+    per_layer = [resolve_device(d) for d in layer_devices] if layer_devices else [main] * config.num_layers
+    seq_len = max_seq_len or min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+    with WeightReader(folder) as reader:
+        model = _build(reader, config, main, per_layer, compute_dtype, seq_len, embed_on_cpu,
+                       rope_alpha, compress_pos_emb, progress)
+    log.info("loaded %s: %d layers, %.1f MB of weights on %s", folder.name, config.num_layers,
+             model.nbytes / 1e6, main)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=folder, name=folder.name)
+
+
+def _dtype_for(device: torch.device, compute: torch.dtype) -> torch.dtype:
+    """Layers placed on the CPU compute in float32 whatever the GPU layers use."""
+    return torch.float32 if device.type == "cpu" else compute
+
+
+def _build(
+    reader: WeightReader,
+    config: ModelConfig,
+    main: torch.device,
+    per_layer: List[torch.device],
+    dtype: torch.dtype,
+    seq_len: int,
+    embed_on_cpu: bool,
+    rope_alpha: float,
+    compress_pos_emb: float,
+    progress: Optional[Progress],
+) -> Model:
+    h, kvd = config.hidden_size, config.num_kv_heads * config.head_dim
+    qd = config.num_heads * config.head_dim
+    shapes = {
+        "self_attn.q_proj": (h, qd), "self_attn.k_proj": (h, kvd), "self_attn.v_proj": (h, kvd),
+        "self_attn.o_proj": (qd, h), "mlp.gate_proj": (h, config.intermediate_size),
+        "mlp.up_proj": (h, config.intermediate_size), "mlp.down_proj": (config.intermediate_size, h),
+    }
+    total = config.num_layers + 2
+    step = [0]
+
+    def tick(message: str) -> None:
+        step[0] += 1
+        if progress is not None:
+            progress(step[0], total, message)
+
+    def dense(name: str, shape: Tuple[int, ...], device: torch.device, dt: torch.dtype) -> torch.Tensor:
+        return reader.get(name, shape).to(device=device, dtype=dt).contiguous()
+
+    def linear(prefix: str, k: int, n: int, device: torch.device, dt: torch.dtype) -> Weight:
+        if config.quant is not None and f"{prefix}.qweight" in reader:
+            return load_gptq_linear(reader, prefix, k, n, config.quant, dt, device)
+        if f"{prefix}.weight" not in reader and f"{prefix}.qweight" not in reader:
+            raise ModelFormatError(f"Tensor {prefix}.weight is missing from the checkpoint in {reader.folder}.")
+        if f"{prefix}.weight" not in reader:
+            raise ModelFormatError(f"{prefix} is GPTQ-quantized but the folder has no quantization config.")
+        return dense(f"{prefix}.weight", (n, k), device, dt)
+
+    embed_device = torch.device("cpu") if embed_on_cpu else main
+    embed = dense("model.embed_tokens.weight", (config.vocab_size, h), embed_device,
+                  _dtype_for(embed_device, dtype))
+    tick("embeddings")
+    layers: List[Layer] = []
+    for i in range(config.num_layers):
+        dev = per_layer[i]
+        dt = _dtype_for(dev, dtype)
+        p = f"model.layers.{i}"
+        projections = {name.split(".")[1]: linear(f"{p}.{name}", k, n, dev, dt) for name, (k, n) in shapes.items()}
+        layers.append(Layer(
+            input_norm=dense(f"{p}.input_layernorm.weight", (h,), dev, dt),
+            post_norm=dense(f"{p}.post_attention_layernorm.weight", (h,), dev, dt),
+            device=dev,
+            **projections,
+        ))
+        tick(f"layer {i + 1}/{config.num_layers}")
+    head_dt = _dtype_for(main, dtype)
+    norm = dense("model.norm.weight", (h,), main, head_dt)
+    if config.tie_word_embeddings or "lm_head.weight" not in reader and "lm_head.qweight" not in reader:
+        if not config.tie_word_embeddings:
+            raise ModelFormatError(
+                f"Tensor lm_head.weight is missing from the checkpoint in {reader.folder} "
+                "and tie_word_embeddings is false."
+            )
+        lm_head: Weight = embed if embed.device == main and embed.dtype == head_dt else embed.to(main, head_dt)
+    else:
+        lm_head = linear("lm_head", h, config.vocab_size, main, head_dt)
+    tick("head")
+    tables: Dict[Tuple[torch.device, torch.dtype], Tuple[torch.Tensor, torch.Tensor]] = {}
+    cos, sin = [], []
+    for layer in layers:
+        key = (layer.device, _dtype_for(layer.device, dtype))
+        if key not in tables:
+            tables[key] = cos_sin_tables(config, seq_len, key[0], key[1], rope_alpha, compress_pos_emb)
+        cos.append(tables[key][0])
+        sin.append(tables[key][1])
+    return Model(config, embed, layers, norm, lm_head, cos, sin, head_dt, seq_len)
