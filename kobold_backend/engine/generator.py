@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 import torch
 
 from kobold_backend.engine.cache import KVCache
+from kobold_backend.engine.decode_graph import GraphDecoder, graphs_supported
 from kobold_backend.engine.model import Model
 from kobold_backend.engine.sampling import Sampler, SamplerSettings
 from kobold_backend.engine.tokenizer import Tokenizer
@@ -165,10 +166,15 @@ class _TextTracker:
 class Generator:
     """Runs requests one at a time on a model and its KV cache."""
 
-    def __init__(self, model: Model, tokenizer: Tokenizer, cache: Optional[KVCache] = None) -> None:
+    def __init__(
+        self, model: Model, tokenizer: Tokenizer, cache: Optional[KVCache] = None, use_graphs: Optional[bool] = None
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.cache = cache if cache is not None else model.new_cache()
+        if use_graphs is None:
+            use_graphs = graphs_supported(model)
+        self.graph = GraphDecoder(model, self.cache) if use_graphs else None
         self.lock = threading.Lock()
         self.stats = GenerationStats()
         self._char_bans: Dict[str, Tuple[int, ...]] = {}
@@ -238,6 +244,14 @@ class Generator:
         assert logits is not None
         return logits[0, -1]
 
+    def _step(self, token: int, passthrough: Optional[Any]) -> torch.Tensor:
+        """Feed one sampled token: a CUDA-graph replay when possible (passthrough runs eager)."""
+        if self.graph is None or passthrough is not None:
+            return self._feed([token], passthrough)
+        logits = self.graph.step(token)
+        self.cache.tokens.append(token)
+        return logits
+
     def _run(self, req: GenerationRequest) -> Iterator[TokenEvent]:
         cache = self.cache
         prompt = list(req.prompt_ids) or ([self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else [0])
@@ -298,7 +312,7 @@ class Generator:
                 yield TokenEvent(tracker.take(tracker.safe_end()), token)
                 if len(generated) >= budget:
                     break
-                logits = self._feed([token], req.passthrough)
+                logits = self._step(token, req.passthrough)
             tail = "" if reason == "stop_string" else tracker.take(len(tracker.buf))
             yield TokenEvent(tail, None, reason)
         finally:

@@ -111,12 +111,33 @@ class Model:
         cache.seq_len = pos + t
         if last_only:
             h = h[:, -1:]
+        return self._logits(h)
+
+    @torch.inference_mode()
+    def decode_step(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, length: int) -> torch.Tensor:
+        """One token [B, 1] at the device-tensor position `pos`, attending over the first `length` cache
+        positions; no host-side state changes, so a CUDA graph can capture it. The caller advances
+        `cache.seq_len`."""
+        h = self.embed_tokens[ids.to(self.embed_tokens.device)]
+        for index, layer in enumerate(self.layers):
+            h = h.to(device=layer.device, dtype=layer.input_norm.dtype)
+            h = self._layer(index, layer, h, cache, 0, None, pos, length)
+        return self._logits(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = h.to(device=self.device, dtype=self.dtype)
-        logits = project(ops.rms_norm(h, self.norm, self.config.rms_norm_eps), self.lm_head)
-        return logits.float()
+        return project(ops.rms_norm(h, self.norm, self.config.rms_norm_eps), self.lm_head).float()
 
     def _layer(
-        self, index: int, layer: Layer, h: torch.Tensor, cache: KVCache, pos: int, passthrough: Optional[Any]
+        self,
+        index: int,
+        layer: Layer,
+        h: torch.Tensor,
+        cache: KVCache,
+        pos: int,
+        passthrough: Optional[Any],
+        pos_t: Optional[torch.Tensor] = None,
+        length: int = 0,
     ) -> torch.Tensor:
         cfg = self.config
         b, t, _ = h.shape
@@ -125,10 +146,14 @@ class Model:
         k = self._proj(index, layer, "k_proj", x, passthrough).view(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = self._proj(index, layer, "v_proj", x, passthrough).view(b, t, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = cache.k[index], cache.v[index]
-        q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
-        if t == 1:
+        if pos_t is not None:
+            q = ops.rope_cache_write_at(q, k, v, self.cos[index], self.sin[index], pos_t, k_cache, v_cache)
+            a = ops.decode_attention_at(q[:, 0], k_cache, v_cache, pos_t, length, self.scale)
+        elif t == 1:
+            q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
             a = ops.decode_attention(q[:, 0], k_cache, v_cache, pos + 1, self.scale)
         else:
+            q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
             a = ops.attention(q, k_cache, v_cache, pos, self.scale)
         a = self._proj(index, layer, "o_proj", a.reshape(b, t, cfg.num_heads * cfg.head_dim), passthrough)
         x, h = ops.add_rms_norm(a, h, layer.post_norm, cfg.rms_norm_eps)

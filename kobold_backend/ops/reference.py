@@ -115,3 +115,38 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
+
+
+def rope_cache_write_at(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """rope_cache_write for one token whose position is a device tensor (CUDA-graph capturable)."""
+    c = cos.index_select(0, pos).view(1, 1, 1, -1)
+    s = sin.index_select(0, pos).view(1, 1, 1, -1)
+    q_rot = (q.float() * c + rotate_half(q.float()) * s).to(q.dtype)
+    k_rot = (k.float() * c + rotate_half(k.float()) * s).to(k.dtype)
+    k_cache.index_copy_(2, pos, k_rot.transpose(1, 2))
+    v_cache.index_copy_(2, pos, v.transpose(1, 2))
+    return q_rot
+
+
+def decode_attention_at(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, length: int, scale: float
+) -> torch.Tensor:
+    """decode_attention over cache[:, :, :length] with positions after the device tensor `pos` masked."""
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    k = k_cache[:, :, :length]
+    v = v_cache[:, :, :length]
+    qg = q.view(b, hkv, hq // hkv, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
+    masked = torch.arange(length, device=q.device) > pos
+    probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(b, hq, d)

@@ -1,0 +1,74 @@
+"""CUDA-graph decode: one captured graph per attention-length bucket replays a whole decode step.
+
+Batch-1 decode is launch-bound long before it is bandwidth-bound; replaying a graph removes the
+Python and launch overhead of several hundred kernels per token. Positions live in a device tensor
+so one capture serves every position inside its bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, Tuple
+
+import torch
+
+from kobold_backend.engine.cache import KVCache
+from kobold_backend.engine.model import Model
+
+log = logging.getLogger(__name__)
+
+MIN_BUCKET = 256
+
+
+def graphs_supported(model: Model) -> bool:
+    """Graphs need every layer, the embedding and the head on one CUDA device."""
+    devices = {layer.device for layer in model.layers} | {model.device, model.embed_tokens.device}
+    return len(devices) == 1 and model.device.type == "cuda"
+
+
+class GraphDecoder:
+    """Decode steps for one cache, replayed from CUDA graphs captured on first use of each bucket."""
+
+    def __init__(self, model: Model, cache: KVCache) -> None:
+        self.model = model
+        self.cache = cache
+        device = model.device
+        self.ids = torch.zeros((cache.batch_size, 1), dtype=torch.long, device=device)
+        self.pos = torch.zeros((1,), dtype=torch.long, device=device)
+        self.graphs: Dict[int, Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def bucket(self, length: int) -> int:
+        size = MIN_BUCKET
+        while size < length:
+            size *= 2
+        return min(size, self.cache.max_seq_len)
+
+    def step(self, token: int) -> torch.Tensor:
+        """Feed one token at cache.seq_len; returns float32 logits [V] (a view of a static buffer)."""
+        pos = self.cache.reserve(1)
+        self.ids.fill_(token)
+        self.pos.fill_(pos)
+        length = self.bucket(pos + 1)
+        entry = self.graphs.get(length)
+        if entry is None:
+            entry = self._capture(length)
+        entry[0].replay()
+        self.cache.seq_len = pos + 1
+        return entry[1][0, -1]
+
+    def _capture(self, length: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        log.debug("capturing a decode graph for attention length %d", length)
+        stream = torch.cuda.Stream(device=self.model.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up allocations and lazy initialisation outside the capture
+                self.model.decode_step(self.ids, self.pos, self.cache, length)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.model.decode_step(self.ids, self.pos, self.cache, length)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[length] = (graph, logits)
+        return graph, logits
