@@ -7,11 +7,13 @@ from kobold_backend.ops.reference import (
     add_rms_norm,
     attention,
     decode_attention,
+    decode_attention_at,
     gptq_dequantize,
     gptq_matmul,
     linear,
     rms_norm,
     rope_cache_write,
+    rope_cache_write_at,
     silu_mul,
 )
 
@@ -19,10 +21,12 @@ __all__ = [
     "add_rms_norm",
     "attention",
     "decode_attention",
+    "decode_attention_at",
     "gptq_dequantize",
     "gptq_matmul",
     "linear",
     "rms_norm",
     "rope_cache_write",
+    "rope_cache_write_at",
     "silu_mul",
 ]
