@@ -1,0 +1,96 @@
+"""GPTQ checkpoint format: the test packer against the format definition, and the engine's loaded GPTQWeight
+(true zeros, act-order sort, perm) against the packer's dequantized weights for every format variant."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kobold_backend import ops
+from kobold_backend.engine.gptq import GPTQWeight
+from kobold_backend.engine.loader import load_model
+from tests.fixtures.checkpoints import GPTQ_NAMES, LINEARS, CheckpointFactory
+from tests.fixtures.gptq_pack import pack_cols, pack_rows, quantize_pack, unpack_reference
+
+
+def test_nibble_order_follows_the_format() -> None:
+    # Rows 8r+j sit in bits 4j..4j+3 of qweight[r, n]; columns 8c+j in bits 4j of qzeros[g, c].
+    q = torch.arange(1, 9).view(8, 1)
+    assert pack_rows(q).numpy().view(np.uint32).tolist() == [[0x87654321]]
+    z = torch.tensor([[15, 0, 0, 0, 0, 0, 0, 14]])
+    assert pack_cols(z).numpy().view(np.uint32).tolist() == [[0xE000000F]]
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("group_size", [32, -1])
+def test_packer_round_trips_through_the_format(fmt: str, sym: bool, act_order: bool, group_size: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 96, generator=g)
+    p = quantize_pack(w, group_size, sym, act_order, fmt, generator=torch.Generator().manual_seed(1))
+    groups = 1 if group_size == -1 else 96 // group_size
+    assert p.qweight.shape == (12, 48) and p.qweight.dtype == torch.int32
+    assert p.qzeros.shape == (groups, 6) and p.qzeros.dtype == torch.int32
+    assert p.scales.shape == (groups, 48) and p.scales.dtype == torch.float16
+    assert p.g_idx.shape == (96,) and p.g_idx.dtype == torch.int32
+    assert torch.equal(unpack_reference(p.qweight, p.qzeros, p.scales, p.g_idx, fmt), p.dequantized)
+    # Each group holds group_size rows; act-order scatters them, otherwise g_idx is k // group_size.
+    assert torch.bincount(p.g_idx.long()).tolist() == [96 // groups] * groups
+    trivial = torch.arange(96) // (96 // groups)
+    assert torch.equal(p.g_idx.long(), trivial) != (act_order and groups > 1)
+    # Round-to-nearest: the error is at most half a step of the group's scale (plus the scale's fp16 rounding).
+    step = p.scales.float()[p.g_idx.long()].t()
+    assert ((p.dequantized - w).abs() <= step * 0.504 + 1e-6).all()
+    if sym:
+        stored = 0x77777777 if fmt == "gptq" else 0x88888888
+        assert (p.qzeros.numpy().view(np.uint32) == stored).all()
+
+
+def test_v1_cannot_store_a_zero_point_of_zero() -> None:
+    w = torch.rand(8, 32) + 0.1  # all positive: the asymmetric zero point is 0
+    with pytest.raises(ValueError, match="zero point of 0"):
+        quantize_pack(w, 32, sym=False, checkpoint_format="gptq")
+    p = quantize_pack(w, 32, sym=False, checkpoint_format="gptq_v2")
+    assert (p.zeros == 0).all()
+
+
+def test_fixture_zero_points_cover_the_edge_cases(checkpoints: CheckpointFactory) -> None:
+    """v1 asym stays in 1..15 (see gptq_pack); the gptq_v2 fixture stores true zeros 0 and 15."""
+    v1 = torch.cat([p.zeros.flatten() for p in checkpoints.get("gptq_v1_asym_g32").packed.values()])
+    assert v1.min() >= 1 and len(v1.unique()) > 5
+    v2 = torch.cat([p.zeros.flatten() for p in checkpoints.get("gptq_v2_asym_g32").packed.values()])
+    assert v2.min() == 0 and v2.max() == 15
+
+
+@pytest.mark.parametrize("name", GPTQ_NAMES)
+def test_engine_dequantizes_every_layer_like_the_packer(name: str, checkpoints: CheckpointFactory) -> None:
+    built = checkpoints.get(name)
+    quant = built.spec.quant
+    lm = load_model(built.path, device="cpu")
+    assert lm.config.quant is not None and lm.config.quant.checkpoint_format == quant.checkpoint_format
+    for i, layer in enumerate(lm.model.layers):
+        for linear in LINEARS:
+            packed = built.packed[f"model.layers.{i}.{linear}"]
+            w = getattr(layer, linear.split(".")[1])
+            assert isinstance(w, GPTQWeight)
+            n, k = packed.dequantized.shape
+            assert (w.in_features, w.out_features) == (k, n)
+            assert w.group_size == (k if quant.group_size == -1 else quant.group_size)
+            sorted_rows = ops.gptq_dequantize(w).float()
+            if quant.act_order:
+                assert w.perm is not None
+                assert sorted(w.perm.tolist()) == list(range(k))
+                # sorted row i is original row perm[i], and the groups are contiguous in sorted order
+                assert bool((packed.g_idx.long()[w.perm][1:] >= packed.g_idx.long()[w.perm][:-1]).all())
+                original = torch.empty_like(sorted_rows)
+                original[w.perm] = sorted_rows
+            else:
+                assert w.perm is None, f"{name}: trivial g_idx not detected"
+                original = sorted_rows
+            torch.testing.assert_close(original, packed.dequantized.t(), rtol=1e-6, atol=1e-6)
+            assert torch.equal(w.zeros.float(), packed.zeros.float()), f"{name}: zeros are not the true zeros"
+            # and the product, which gathers the activation through perm
+            x = torch.randn(3, k, generator=torch.Generator().manual_seed(i))
+            torch.testing.assert_close(ops.gptq_matmul(x, w), x @ packed.dequantized.t(), rtol=1e-5, atol=1e-5)
