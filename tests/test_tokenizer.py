@@ -1,0 +1,126 @@
+"""Tokenizers against the libraries that define them (sentencepiece, tokenizers): encode/decode, special ids,
+streaming decode across byte-fallback pieces, and out-of-vocabulary ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, List
+
+import pytest
+import sentencepiece as spm
+from tokenizers import Tokenizer as HFTokenizer
+
+from kobold_backend.engine.loader import load_model
+from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
+from tests.fixtures.checkpoints import CheckpointFactory
+
+TEXTS = [
+    "Hello world",
+    "The GNU General Public License is a free, copyleft license.",
+    "  two leading spaces and   three inside",
+    " one leading space",
+    "\nstarts with a newline\n\nand has blank lines\n",
+    "tabs\tand trailing spaces   ",
+    "naïve café, déjà vu",
+    "漢字かな交じり文",
+    "emoji 😀 and a family 👨‍👩‍👧 and a flag 🇫🇷!",
+    "mixed: é\n漢 😀 x",
+    "digits 1234567890 and symbols <>&%$#@",
+]
+
+
+def reference(kind: str, folder: Path) -> Callable[[str], List[int]]:
+    if kind == "spm":
+        sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+        return sp.encode
+    tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    return lambda text: tok.encode(text, add_special_tokens=False).ids
+
+
+def reference_decode(kind: str, folder: Path) -> Callable[[List[int]], str]:
+    if kind == "spm":
+        return spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model")).decode
+    return HFTokenizer.from_file(str(folder / "tokenizer.json")).decode
+
+
+@pytest.fixture(params=["spm", "bpe"])
+def tok(request: pytest.FixtureRequest, spm_dir: Path, bpe_dir: Path):
+    folder = spm_dir if request.param == "spm" else bpe_dir
+    return request.param, folder, load_tokenizer(folder)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_match_the_library(text: str, tok) -> None:
+    kind, folder, ours = tok
+    ids = reference(kind, folder)(text)
+    assert ours.encode(text) == ids
+    assert ours.decode(ids) == reference_decode(kind, folder)(ids) == text
+
+
+def test_special_ids_come_from_the_model_folder(checkpoints: CheckpointFactory) -> None:
+    spm_model = load_model(checkpoints.get("dense_fp16").path, device="cpu").tokenizer
+    assert (spm_model.bos_id, tuple(spm_model.eos_ids), spm_model.vocab_size) == (1, (2,), 1000)
+    assert spm_model.encode("Hello", add_bos=True) == [1] + spm_model.encode("Hello")
+
+    built = checkpoints.get("llama3_rope")
+    bpe_model = load_model(built.path, device="cpu").tokenizer
+    ref = HFTokenizer.from_file(str(built.path / "tokenizer.json"))
+    bos, eos, eot = (ref.token_to_id(t) for t in ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"))
+    assert (bpe_model.bos_id, set(bpe_model.eos_ids)) == (bos, {eos, eot})
+    assert bpe_model.vocab_size == ref.get_vocab_size(with_added_tokens=True)
+    assert bpe_model.encode("Hello there", add_bos=True) == ref.encode("Hello there").ids
+    assert ref.encode("Hello there").ids[0] == bos
+
+
+def test_fixture_texts_split_characters_across_tokens(tok) -> None:
+    """The streaming tests below only prove something if multi-byte characters span several tokens."""
+    kind, folder, _ = tok
+    ids = reference(kind, folder)("é 漢 😀")
+    if kind == "spm":
+        sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+        assert sum(sp.is_byte(i) for i in ids) >= 2 + 3 + 4
+    else:
+        assert len(ids) >= 2 + 3 + 4
+
+
+def stream(ours: Tokenizer, ids: List[int]) -> List[str]:
+    decoder = ours.stream_decoder()
+    return [decoder.feed(i) for i in ids] + [decoder.flush()]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stream_decode_equals_decode(text: str, tok) -> None:
+    _, _, ours = tok
+    ids = ours.encode(text)
+    chunks = stream(ours, ids)
+    assert "".join(chunks) == ours.decode(ids) == text
+    # never a partial character: no replacement character, and nothing held back once the text is complete
+    assert all("\ufffd" not in c for c in chunks)
+    assert chunks[-1] == ""
+
+
+def test_stream_emits_each_character_as_soon_as_it_is_complete(tok) -> None:
+    _, _, ours = tok
+    ids = ours.encode("a 漢字 😀 b")
+    decoder = ours.stream_decoder()
+    emitted = ""
+    for n, i in enumerate(ids):
+        emitted += decoder.feed(i)
+        # after each token: exactly the complete characters of what has been fed
+        assert emitted == ours.decode(ids[: n + 1]).rstrip("\ufffd")
+    assert emitted == "a 漢字 😀 b"
+
+
+def test_out_of_vocabulary_ids_are_skipped(tok) -> None:
+    _, _, ours = tok
+    ids = ours.encode("skip the bad ids 😀")
+    bad = [ours.vocab_size, ours.vocab_size + 7, 10**6, -1]
+    mixed = [bad[0]] + ids[:3] + bad + ids[3:] + [bad[1]]
+    assert ours.decode(mixed) == ours.decode(ids)
+    assert "".join(stream(ours, mixed)) == "".join(stream(ours, ids))
+
+
+def test_piece_text_keeps_the_leading_space(tok) -> None:
+    kind, folder, ours = tok
+    (the,) = reference(kind, folder)(" the")[-1:]
+    assert ours.piece_text(the) == " the"
