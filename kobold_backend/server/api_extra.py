@@ -1,0 +1,114 @@
+"""KoboldCpp's /api/extra: version, context size, SSE streaming, check, abort, token counting, perf."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, Response, jsonify, stream_with_context
+
+from kobold_backend import __version__
+from kobold_backend.server import sse
+from kobold_backend.server.generation import generation_job
+from kobold_backend.server.queue import Job
+from kobold_backend.server.schemas import parse_generate
+from kobold_backend.server.state import client_disconnected, get_state, read_json
+
+# Lite and SillyTavern gate features on this: SSE >= 1.40, memory/trim_stop >= 1.49, DRY >= 1.70, XTC >= 1.74.
+KOBOLDCPP_VERSION = "1.76"
+
+bp = Blueprint("api_extra", __name__)
+
+
+@bp.get("/version")
+def version() -> Any:
+    return jsonify({"result": "KoboldCpp", "version": KOBOLDCPP_VERSION,
+                    "protected": bool(get_state().config.api_key), "txt2img": False, "vision": False,
+                    "transcribe": False, "multiplayer": False, "websearch": False, "tts": False,
+                    "kobold_backend": __version__})
+
+
+@bp.get("/true_max_context_length")
+def true_max_context_length() -> Any:
+    return jsonify({"value": get_state().require_model().max_context})
+
+
+@bp.get("/perf")
+def perf() -> Any:
+    state = get_state()
+    return jsonify(state.perf.snapshot(state.queue.queued(), state.queue.idle()))
+
+
+@bp.get("/preloadstory")
+def preloadstory() -> Any:
+    return jsonify({})
+
+
+@bp.post("/generate/stream")
+def generate_stream() -> Any:
+    state = get_state()
+    params = parse_generate(read_json(empty={}), stream=True)
+    state.require_model()
+    job = Job(generation_job(state.holder, params, state.config.default_max_length, state.perf),
+              genkey=params.genkey, streaming=True)
+    state.queue.submit(job)
+    disconnected = client_disconnected()
+    events = job.events(disconnected)
+    try:
+        # Errors before the first event (no model, a bad prompt) still get a proper status and JSON body.
+        first = next(events, None)
+    except BaseException:
+        state.queue.cancel(job)
+        raise
+    body = sse.event_stream(job, state.queue, first, events, disconnected)
+    return Response(stream_with_context(body), mimetype=sse.MIMETYPE, headers=sse.HEADERS)
+
+
+@bp.route("/generate/check", methods=["GET", "POST"])
+def generate_check() -> Any:
+    body = read_json(empty={})
+    genkey = body.get("genkey") if isinstance(body, dict) else None
+    job = get_state().queue.find(genkey if isinstance(genkey, str) else None)
+    text = job.partial_text() if job is not None else ""
+    return jsonify({"results": [{"text": text}]})
+
+
+@bp.post("/abort")
+def abort() -> Any:
+    body = read_json(empty={})
+    genkey = body.get("genkey") if isinstance(body, dict) else None
+    success, done = get_state().queue.abort(genkey if isinstance(genkey, str) else None)
+    return jsonify({"success": "true" if success else "false", "done": "true" if done else "false"})
+
+
+def _token_body() -> Any:
+    try:
+        body = read_json(empty={})
+    except Exception:
+        return None
+    return body if isinstance(body, dict) and isinstance(body.get("prompt"), str) else None
+
+
+@bp.post("/tokencount")
+@bp.post("/tokenize")
+def tokencount() -> Any:
+    body = _token_body()
+    if body is None:
+        return jsonify({"value": -1, "ids": []}), 400
+    tokenizer = get_state().require_model().tokenizer
+    ids = list(tokenizer.encode(body["prompt"], add_bos=False))
+    if body.get("special", True) is not False and getattr(tokenizer, "bos_id", None) is not None:
+        ids = [int(tokenizer.bos_id)] + ids
+    return jsonify({"value": len(ids), "ids": ids})
+
+
+@bp.post("/detokenize")
+def detokenize() -> Any:
+    try:
+        body = read_json(empty={})
+    except Exception:
+        body = None
+    ids = body.get("ids") if isinstance(body, dict) else None
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return jsonify({"result": "", "success": False}), 400
+    tokenizer = get_state().require_model().tokenizer
+    return jsonify({"result": tokenizer.decode([i for i in ids if 0 <= i < 2**31]), "success": True})

@@ -1,0 +1,90 @@
+"""`kobold-backend serve`: load a model (or the demo model) and serve the KoboldAI API and web page with waitress."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+from pathlib import Path
+from typing import Any, Tuple
+
+log = logging.getLogger("kobold_backend.serve")
+
+
+def _origins(value: str) -> Tuple[str, ...]:
+    if value.strip().lower() in ("", "none", "off"):
+        return ()
+    return tuple(o.strip() for o in value.split(",") if o.strip())
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `serve` on the CLI's subparsers and return its parser."""
+    from kobold_backend.cli import add_model_arguments
+
+    p = subparsers.add_parser("serve", help="serve the KoboldAI/KoboldCpp HTTP API and a web page",
+                              description="Serve /api/v1 (also /api/latest), /api/extra and a web page at /.")
+    add_model_arguments(p)
+    p.add_argument("--models-dir", type=Path, default=None,
+                   help="folder of model folders the web page and PUT /api/v1/model may load from")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=5001, help="port (default: 5001, like KoboldCpp)")
+    p.add_argument("--api-key", default=os.environ.get("KOBOLD_BACKEND_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on the API (default: $KOBOLD_BACKEND_API_KEY)")
+    p.add_argument("--queue", type=int, default=6,
+                   help="requests that may wait behind the running one; more get 503 (default: 6)")
+    p.add_argument("--cors-origins", type=_origins, default=("*",),
+                   help="comma-separated origins allowed to call the API from a browser, '*' (default) or none")
+    p.add_argument("--max-length", type=int, default=180,
+                   help="tokens generated when a request gives no max_length (default: 180)")
+    return p
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, then serve until interrupted."""
+    from kobold_backend.cli import stderr_progress
+    from kobold_backend.server.app import create_app
+    from kobold_backend.server.config import ServerConfig
+    from kobold_backend.server.engine_holder import EngineHolder
+    from kobold_backend.server.wsgi import WaitressServer
+
+    if args.models_dir is not None and not args.models_dir.is_dir():
+        log.error("--models-dir %s is not a folder", args.models_dir)
+        return 2
+    load_kwargs = {"device": args.device, "dtype": args.dtype, "max_seq_len": args.max_context,
+                   "embed_on_cpu": args.embed_on_cpu, "rope_alpha": args.rope_alpha,
+                   "compress_pos_emb": args.compress_pos_emb}
+    holder = EngineHolder(load_kwargs={k: v for k, v in load_kwargs.items() if v is not None})
+    path = args.model
+    if path is None:
+        from kobold_backend.demo import ensure_demo_model
+
+        path = ensure_demo_model(progress=stderr_progress("building demo model"))
+        holder.demo_path = Path(path).resolve()
+        log.warning("no --model given: serving the demo model (random weights, gibberish output) from %s", path)
+    active = holder.load(Path(path), progress=stderr_progress("loading"))
+    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
+                          cors_origins=tuple(args.cors_origins), max_queue=args.queue,
+                          models_dir=args.models_dir, default_max_length=max(1, args.max_length))
+    if not _is_loopback(args.host) and not config.api_key:
+        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
+                    args.host)
+    app = create_app(config, holder)
+    server = WaitressServer(app, host=args.host, port=args.port, threads=max(4, config.max_queue + 4))
+    log.info("model %s ready: context %d tokens", active.name, active.max_context)
+    log.info("serving on %s/ (KoboldAI API at %s/api, KoboldCpp extras at %s/api/extra)",
+             server.url, server.url, server.url)
+    try:
+        server.serve_forever()
+    finally:
+        server.shutdown()
+    return 0

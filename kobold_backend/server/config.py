@@ -1,0 +1,26 @@
+"""ServerConfig: the settings of one HTTP server instance (limits, security, folders), set by `serve`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Tuple
+
+# KoboldCpp rejects bodies over 32 MB; images in Lite payloads are the only large fields.
+DEFAULT_MAX_CONTENT_LENGTH = 32 * 1024 * 1024
+
+
+@dataclass
+class ServerConfig:
+    """Everything create_app needs besides the engine holder and the work queue."""
+
+    host: str = "127.0.0.1"
+    port: int = 5001
+    api_key: Optional[str] = None
+    cors_origins: Tuple[str, ...] = ("*",)
+    max_queue: int = 6
+    max_content_length: int = DEFAULT_MAX_CONTENT_LENGTH
+    models_dir: Optional[Path] = None
+    device: str = "cpu"
+    default_max_length: int = 180
+    load_kwargs: dict = field(default_factory=dict)

@@ -1,0 +1,116 @@
+"""Generation jobs: turn validated params into engine requests on the worker thread, feed the text to the
+job (streaming and /generate/check), and keep the counters of /api/extra/perf."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+from kobold_backend.server.errors import NoModelLoaded
+from kobold_backend.server.queue import Job
+from kobold_backend.server.schemas import GenerateParams, build_requests, kobold_finish_reason
+
+# KoboldCpp's stop_reason codes: -1 nothing yet, 0 out of tokens (or aborted), 1 EOS, 2 a stop string.
+STOP_REASON_CODES = {"length": 0, "abort": 0, "stop": 1, "stop_string": 2}
+
+
+@dataclass
+class RunResult:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+    def as_kobold(self) -> Dict[str, Any]:
+        return {"text": self.text, "finish_reason": kobold_finish_reason(self.finish_reason),
+                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+
+
+class PerfStats:
+    """The figures behind /api/extra/perf, updated after every run."""
+
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.idle_since = time.time()
+        self.lock = threading.Lock()
+        self.last: Dict[str, Any] = {"last_process": 0.0, "last_eval": 0.0, "last_token_count": 0,
+                                     "last_input_count": 0, "last_seed": -1, "stop_reason": -1}
+        self.total_gens = 0
+
+    def record(self, stats: Any) -> None:
+        with self.lock:
+            self.total_gens += 1
+            self.idle_since = time.time()
+            self.last = {
+                "last_process": round(float(stats.prefill_seconds), 6),
+                "last_eval": round(float(stats.decode_seconds), 6),
+                "last_token_count": int(stats.completion_tokens),
+                "last_input_count": int(stats.prompt_tokens),
+                "last_seed": -1 if stats.seed is None else int(stats.seed),
+                "stop_reason": STOP_REASON_CODES.get(stats.finish_reason, -1),
+            }
+
+    def snapshot(self, queued: int, idle: bool) -> Dict[str, Any]:
+        now = time.time()
+        with self.lock:
+            out = dict(self.last)
+            out.update({
+                "total_gens": self.total_gens, "total_img_gens": 0, "queue": queued, "idle": 1 if idle else 0,
+                "hordeexitcounter": 0, "uptime": round(now - self.started, 3),
+                "idletime": round(now - self.idle_since, 3) if idle else 0.0, "quiet": False,
+            })
+        return out
+
+
+class _SingleLine:
+    """Cuts the output at its first newline (the generator stops there via a "\\n" stop string)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.cut = False
+
+    def __call__(self, text: str) -> str:
+        if not self.enabled or self.cut:
+            return "" if self.cut else text
+        at = text.find("\n")
+        if at < 0:
+            return text
+        self.cut = True
+        return text[:at]
+
+
+def generation_job(holder: Any, params: GenerateParams, default_max_length: int,
+                   perf: PerfStats) -> Callable[[Job], List[RunResult]]:
+    """The function the worker runs for one /generate or /generate/stream request."""
+
+    def run(job: Job) -> List[RunResult]:
+        active = holder.active
+        if active is None:
+            raise NoModelLoaded()
+        requests = build_requests(params, active.tokenizer, active.max_context, default_max_length,
+                                  abort=job.abort_event)
+        results: List[RunResult] = []
+        for req in requests:
+            if results and job.abort_event.is_set():
+                break
+            job.new_run()
+            cut = _SingleLine(params.singleline)
+            pieces: List[str] = []
+            reason: Optional[str] = None
+            for ev in active.generator.stream(req):
+                text = cut(ev.text)
+                pieces.append(text)
+                if ev.finish_reason is not None:
+                    reason = ev.finish_reason
+                    job.emit(text, kobold_finish_reason(reason))
+                else:
+                    job.emit(text)
+            stats = active.generator.stats
+            perf.record(stats)
+            results.append(RunResult("".join(pieces), reason or "length", int(stats.prompt_tokens),
+                                     int(stats.completion_tokens)))
+        return results
+
+    return run

@@ -1,0 +1,431 @@
+"""The KoboldAI/KoboldCpp generation body: one field table drives validation (422 per field), the
+GenerationRequest built from it (context fitting, memory, stops, bans) and the OpenAPI schema."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from kobold_backend.errors import RequestError
+
+MAX_SEED = 2**64 - 1
+MAX_STOP_SEQUENCES = 32
+MAX_BANNED_STRINGS = 48
+MAX_LOGIT_BIASES = 32
+MAX_DRY_BREAKERS = 24
+
+
+class ValidationFailed(Exception):
+    """Per-field messages, answered as 422 {"detail": {field: [msgs]}} like KoboldAI United."""
+
+    def __init__(self, errors: Dict[str, List[str]]) -> None:
+        super().__init__(json.dumps(errors))
+        self.errors = errors
+
+
+@dataclass(frozen=True)
+class Field:
+    """One accepted key of the generation body. `kind` is the JSON type; `used` is False for keys that are
+    accepted for compatibility and have no effect here."""
+
+    name: str
+    kind: str
+    default: Any
+    description: str
+    minimum: Optional[float] = None
+    maximum: Optional[float] = None
+    aliases: Tuple[str, ...] = ()
+    max_items: Optional[int] = None
+    used: bool = True
+    required: bool = False
+
+
+F = Field
+FIELDS: Tuple[Field, ...] = (
+    F("prompt", "string", None, "The text to continue.", required=True),
+    F("memory", "string", "", "Text kept at the front of the context when the prompt is trimmed to fit."),
+    F("max_length", "integer", None, "Tokens to generate (default: 180); clamped so that the prompt keeps "
+      "min(context-4, 16) tokens.", minimum=1),
+    F("max_context_length", "integer", None, "Context size for this request (default and ceiling: the "
+      "server's context); the prompt is trimmed from the front to fit max_context_length - max_length.",
+      minimum=1),
+    F("n", "integer", 1, "Number of completions, generated one after another (streaming uses 1).",
+      minimum=1, maximum=5),
+    F("temperature", "number", 0.7, "Sampling temperature; 0 picks the most likely token.", minimum=0),
+    F("top_k", "integer", 100, "Top-k (0 = off).", minimum=0),
+    F("top_p", "number", 0.92, "Top-p / nucleus (1 = off).", minimum=0, maximum=1),
+    F("top_a", "number", 0.0, "Top-a (0 = off).", minimum=0),
+    F("min_p", "number", 0.0, "Min-p (0 = off); runs with top-p in sampler slot 2.", minimum=0, maximum=1),
+    F("typical", "number", 1.0, "Typical sampling (1 = off).", minimum=0, maximum=1),
+    F("tfs", "number", 1.0, "Tail-free sampling (1 = off).", minimum=0, maximum=1),
+    F("rep_pen", "number", 1.0, "Repetition penalty (KoboldCpp semantics; 1 = off). Aliases "
+      "repeat_penalty and repetition_penalty; the largest value wins.", minimum=1,
+      aliases=("repeat_penalty", "repetition_penalty")),
+    F("rep_pen_range", "integer", 320, "Tokens looked back by the repetition penalty.", minimum=0),
+    F("rep_pen_slope", "number", 1.0, "Penalty factor of the older half of the range.", minimum=0),
+    F("presence_penalty", "number", 0.0, "Subtracted from every token seen in the range.", minimum=-100,
+      maximum=100),
+    F("frequency_penalty", "number", 0.0, "Subtracted per occurrence of a token in the range.", minimum=-100,
+      maximum=100),
+    F("sampler_order", "int_list", (6, 0, 1, 3, 4, 2, 5), "Sampler ids 0-6 (0 top-k, 1 top-a, 2 top-p/min-p, "
+      "3 tfs, 4 typical, 5 temperature, 6 rep pen); 6 is prepended when missing.", minimum=0, maximum=6,
+      max_items=7),
+    F("sampler_seed", "integer", -1, "Seed of the sampler's RNG; -1 = random.", minimum=-1, maximum=MAX_SEED),
+    F("sampler_full_determinism", "boolean", False, "Accepted; every seeded request is deterministic here.",
+      used=False),
+    F("stop_sequence", "string_list", (), "Stop strings (at most 32 are used).", max_items=MAX_STOP_SEQUENCES),
+    F("trim_stop", "boolean", False, "Cut the stop string (and what follows) from the output."),
+    F("use_default_badwordsids", "boolean", False, "Ban the end-of-sequence token.",
+      aliases=("ban_eos_token",)),
+    F("bypass_eos", "boolean", False, "The EOS token may be sampled but does not end the generation."),
+    F("singleline", "boolean", False, "Stop at the first newline (not included in the output)."),
+    F("mirostat", "integer", 0, "Mirostat mode 0 (off), 1 or 2.", minimum=0, maximum=2),
+    F("mirostat_tau", "number", 5.0, "Mirostat target surprise.", minimum=0),
+    F("mirostat_eta", "number", 0.1, "Mirostat learning rate.", minimum=0),
+    F("dry_multiplier", "number", 0.0, "DRY multiplier (0 = off).", minimum=0),
+    F("dry_base", "number", 1.75, "DRY base.", minimum=1),
+    F("dry_allowed_length", "integer", 2, "DRY: repeats up to this length are free.", minimum=0),
+    F("dry_penalty_last_n", "integer", 320, "DRY look-back (<= 0: the whole context).", minimum=-1),
+    F("dry_sequence_breakers", "string_list", ("\n", ":", '"', "*"), "DRY sequence breakers: a list or a JSON "
+      "string of a list (at most 24 are used).", max_items=MAX_DRY_BREAKERS),
+    F("xtc_threshold", "number", 0.2, "XTC threshold (> 0.5 turns XTC off).", minimum=0, maximum=1),
+    F("xtc_probability", "number", 0.0, "XTC probability (0 = off).", minimum=0, maximum=1),
+    F("dynatemp_range", "number", 0.0, "Dynamic temperature range (0 = off).", minimum=0),
+    F("dynatemp_exponent", "number", 1.0, "Dynamic temperature exponent.", minimum=0),
+    F("smoothing_factor", "number", 0.0, "Quadratic smoothing factor (0 = off).", minimum=0),
+    F("logit_bias", "bias_map", {}, "Token id -> bias added to its logit, clamped to [-100, 100] (at most 32)."),
+    F("custom_token_bans", "string", "", "Comma-separated token ids that may not be generated."),
+    F("banned_tokens", "string_list", (), "Strings that may not appear in the output (at most 48).",
+      aliases=("banned_strings",), max_items=MAX_BANNED_STRINGS),
+    F("genkey", "string", "", "Client handle for /api/extra/generate/check and /api/extra/abort."),
+    F("grammar", "string", "", "Accepted; GBNF grammars are not supported and are ignored.", used=False),
+    F("grammar_retain_state", "boolean", False, "Accepted and ignored.", used=False),
+    F("images", "any_list", (), "Accepted and ignored (no vision support).", used=False),
+    F("render_special", "boolean", False, "Accepted and ignored.", used=False),
+    F("logprobs", "boolean", False, "Accepted and ignored.", used=False),
+    F("quiet", "boolean", False, "Accepted; nothing is printed per request anyway.", used=False),
+    F("soft_prompt", "string", "", "Accepted and ignored (no soft prompts).", used=False),
+    F("use_story", "boolean", False, "Accepted and ignored (the server keeps no story).", used=False),
+    F("use_memory", "boolean", False, "Accepted and ignored; send `memory` instead.", used=False),
+    F("use_authors_note", "boolean", False, "Accepted and ignored.", used=False),
+    F("use_world_info", "boolean", False, "Accepted and ignored.", used=False),
+    F("use_userscripts", "boolean", False, "Accepted and ignored.", used=False),
+    F("frmttriminc", "boolean", False, "Accepted and ignored (output formatting is off).", used=False),
+    F("frmtrmblln", "boolean", False, "Accepted and ignored.", used=False),
+    F("frmtrmspch", "boolean", False, "Accepted and ignored.", used=False),
+    F("frmtadsnsp", "boolean", False, "Accepted and ignored.", used=False),
+    F("disable_output_formatting", "boolean", True, "Accepted and ignored.", used=False),
+    F("disable_input_formatting", "boolean", True, "Accepted and ignored.", used=False),
+)
+FIELDS_BY_NAME: Dict[str, Field] = {f.name: f for f in FIELDS}
+DEFAULT_MAX_LENGTH = 180
+
+
+@dataclass
+class GenerateParams:
+    """A validated generation body: every field present, defaults filled in."""
+
+    values: Dict[str, Any]
+    stream: bool = False
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+# -- validation -------------------------------------------------------------------------------------
+
+def _range_message(f: Field) -> str:
+    def fmt(x: float) -> str:
+        return str(int(x)) if float(x).is_integer() else str(x)
+
+    if f.minimum is not None and f.maximum is not None:
+        return f"Must be greater than or equal to {fmt(f.minimum)} and less than or equal to {fmt(f.maximum)}."
+    if f.minimum is not None:
+        return f"Must be greater than or equal to {fmt(f.minimum)}."
+    return f"Must be less than or equal to {fmt(f.maximum)}."  # type: ignore[arg-type]
+
+
+def _in_range(f: Field, x: float) -> bool:
+    return (f.minimum is None or x >= f.minimum) and (f.maximum is None or x <= f.maximum)
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError("Not a valid number.")
+    try:
+        x = float(value)
+    except (ValueError, OverflowError):
+        raise ValueError("Not a valid number.") from None
+    if math.isnan(x) or math.isinf(x):
+        raise ValueError("Special numeric values (nan or infinity) are not permitted.")
+    return x
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise ValueError("Not a valid integer.") from None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    raise ValueError("Not a valid integer.")
+
+
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        return value.strip().lower() in ("true", "1", "yes", "on")
+    raise ValueError("Not a valid boolean.")
+
+
+def _string_list(f: Field, value: Any) -> Tuple[str, ...]:
+    if isinstance(value, str) and f.name == "dry_sequence_breakers":
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError("Not a valid list or JSON string of a list.") from None
+    elif isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError("Not a valid list.")
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise ValueError(f"Item {i}: Not a valid string.")
+    items = tuple(s for s in value if s != "")
+    return items[: f.max_items] if f.max_items is not None else items
+
+
+def _int_list(f: Field, value: Any) -> Tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError("Not a valid list.")
+    out = []
+    for i, item in enumerate(value):
+        try:
+            x = _integer(item)
+        except ValueError as e:
+            raise ValueError(f"Item {i}: {e}") from None
+        if not _in_range(f, x):
+            raise ValueError(f"Item {i}: {_range_message(f)}")
+        out.append(x)
+    return tuple(out)
+
+
+def _bias_map(value: Any) -> Dict[int, float]:
+    if not isinstance(value, dict):
+        raise ValueError("Not a valid mapping type.")
+    out: Dict[int, float] = {}
+    for key, bias in list(value.items())[:MAX_LOGIT_BIASES]:
+        try:
+            tid = _integer(key)
+        except ValueError:
+            raise ValueError(f"Key {key!r}: Not a valid token id.") from None
+        if tid < 0:
+            raise ValueError(f"Key {key!r}: Not a valid token id.")
+        try:
+            out[tid] = max(-100.0, min(100.0, _number(bias)))
+        except ValueError as e:
+            raise ValueError(f"Key {key!r}: {e}") from None
+    return out
+
+
+def _convert(f: Field, value: Any) -> Any:
+    if f.kind == "string":
+        if not isinstance(value, str):
+            raise ValueError("Not a valid string.")
+        return value
+    if f.kind in ("number", "integer"):
+        x: Any = _number(value) if f.kind == "number" else _integer(value)
+        if not _in_range(f, x):
+            raise ValueError(_range_message(f))
+        return x
+    if f.kind == "boolean":
+        return _boolean(value)
+    if f.kind == "string_list":
+        return _string_list(f, value)
+    if f.kind == "int_list":
+        return _int_list(f, value)
+    if f.kind == "bias_map":
+        return _bias_map(value)
+    if f.kind == "any_list":
+        if not isinstance(value, (list, tuple)):
+            raise ValueError("Not a valid list.")
+        return tuple(value)
+    raise AssertionError(f.kind)
+
+
+def parse_generate(body: Any, stream: bool = False) -> GenerateParams:
+    """Validate a generation body. Unknown keys are ignored; null counts as absent; every bad field is
+    reported (ValidationFailed). Sampler settings are cross-checked by SamplerSettings.validate()."""
+    if not isinstance(body, dict):
+        raise ValidationFailed({"_schema": ["Invalid input type."]})
+    errors: Dict[str, List[str]] = {}
+    values: Dict[str, Any] = {}
+    for f in FIELDS:
+        present = [(k, body[k]) for k in (f.name, *f.aliases) if body.get(k) is not None]
+        if not present:
+            if f.required:
+                errors[f.name] = ["Missing data for required field."]
+            values[f.name] = f.default
+            continue
+        converted = []
+        for key, raw in present:
+            try:
+                converted.append(_convert(f, raw))
+            except ValueError as e:
+                errors.setdefault(key, []).append(str(e))
+        if converted:
+            values[f.name] = max(converted) if f.name == "rep_pen" else converted[0]
+    if errors:
+        raise ValidationFailed(errors)
+    if values["custom_token_bans"].strip():
+        try:
+            bans = tuple(int(x) for x in values["custom_token_bans"].split(",") if x.strip())
+        except ValueError:
+            raise ValidationFailed({"custom_token_bans": ["Not a valid comma-separated list of token ids."]}) \
+                from None
+        if any(b < 0 for b in bans):
+            raise ValidationFailed({"custom_token_bans": ["Not a valid comma-separated list of token ids."]})
+        values["custom_token_bans"] = bans
+    else:
+        values["custom_token_bans"] = ()
+    order = tuple(values["sampler_order"])
+    if len(set(order)) != len(order):
+        raise ValidationFailed({"sampler_order": ["Sampler ids must not repeat."]})
+    if 6 not in order:
+        order = (6,) + order
+    values["sampler_order"] = order
+    params = GenerateParams(values=values, stream=stream)
+    try:
+        sampler_settings(params).validate()
+    except RequestError as e:
+        raise ValidationFailed({e.field or "_schema": [str(e)]}) from None
+    return params
+
+
+def sampler_settings(params: GenerateParams) -> Any:
+    """The engine's SamplerSettings for these params (KoboldCpp repetition-penalty semantics)."""
+    from kobold_backend.engine.sampling import SamplerSettings
+
+    v = params.values
+    wanted = {
+        "temperature": float(v["temperature"]), "top_k": int(v["top_k"]), "top_p": float(v["top_p"]),
+        "top_a": float(v["top_a"]), "tfs": float(v["tfs"]), "typical": float(v["typical"]),
+        "min_p": float(v["min_p"]), "rep_pen": float(v["rep_pen"]), "rep_pen_range": int(v["rep_pen_range"]),
+        "rep_pen_slope": float(v["rep_pen_slope"]), "rep_pen_mode": "koboldcpp",
+        "presence_penalty": float(v["presence_penalty"]), "frequency_penalty": float(v["frequency_penalty"]),
+        "sampler_order": tuple(v["sampler_order"]), "dynatemp_range": float(v["dynatemp_range"]),
+        "dynatemp_exponent": float(v["dynatemp_exponent"]), "smoothing_factor": float(v["smoothing_factor"]),
+        "mirostat": int(v["mirostat"]), "mirostat_tau": float(v["mirostat_tau"]),
+        "mirostat_eta": float(v["mirostat_eta"]), "dry_multiplier": float(v["dry_multiplier"]),
+        "dry_base": float(v["dry_base"]), "dry_allowed_length": int(v["dry_allowed_length"]),
+        "dry_penalty_last_n": max(0, int(v["dry_penalty_last_n"])),
+        "dry_sequence_breakers": tuple(v["dry_sequence_breakers"]),
+        "xtc_threshold": float(v["xtc_threshold"]), "xtc_probability": float(v["xtc_probability"]),
+        "logit_bias": dict(v["logit_bias"]), "banned_token_ids": tuple(v["custom_token_bans"]),
+    }
+    known = {f.name for f in dataclasses.fields(SamplerSettings)}
+    return SamplerSettings(**{k: val for k, val in wanted.items() if k in known})
+
+
+# -- context fitting and the engine request ----------------------------------------------------------
+
+def effective_lengths(params: GenerateParams, server_context: int, default_max_length: int) -> Tuple[int, int]:
+    """(context, max_new_tokens): the request's context capped by the server's, and max_length clamped so
+    that at least min(context - 4, 16) tokens (and never fewer than one) stay for the prompt."""
+    ctx = server_context if params.max_context_length is None else min(params.max_context_length, server_context)
+    ctx = max(2, ctx)
+    max_new = default_max_length if params.max_length is None else params.max_length
+    reserve = max(1, min(ctx - 4, 16))
+    return ctx, max(1, min(max_new, ctx - reserve))
+
+
+def fit_prompt(tokenizer: Any, memory: str, prompt: str, budget: int) -> List[int]:
+    """Token ids of BOS + memory + prompt in at most `budget` tokens; the prompt loses tokens from its
+    front first, then the memory does."""
+    bos = [] if getattr(tokenizer, "bos_id", None) is None else [int(tokenizer.bos_id)]
+    ids = bos + list(tokenizer.encode(memory + prompt, add_bos=False))
+    if len(ids) <= budget:
+        return ids
+    mem = list(tokenizer.encode(memory, add_bos=False)) if memory else []
+    body = list(tokenizer.encode(prompt, add_bos=False))
+    room = budget - len(bos) - len(mem)
+    if room < 0:
+        keep = max(0, budget - len(bos))
+        return bos + (mem[len(mem) - keep:] if keep else [])
+    return bos + mem + (body[len(body) - room:] if room else [])
+
+
+def build_requests(params: GenerateParams, tokenizer: Any, server_context: int, default_max_length: int,
+                   abort: Any = None) -> List[Any]:
+    """One GenerationRequest per completion (n); seeds are consecutive from sampler_seed (or random)."""
+    from kobold_backend.engine.generator import GenerationRequest
+
+    ctx, max_new = effective_lengths(params, server_context, default_max_length)
+    prompt_ids = fit_prompt(tokenizer, params.memory, params.prompt, ctx - max_new)
+    if not prompt_ids:
+        raise RequestError("The prompt is empty and this model has no BOS token to start from.", "prompt")
+    stops = tuple(params.stop_sequence) + (("\n",) if params.singleline else ())
+    seed = params.sampler_seed if params.sampler_seed >= 0 else random.getrandbits(63)
+    n = 1 if params.stream else params.n
+    return [
+        GenerationRequest(
+            prompt_ids=list(prompt_ids), max_new_tokens=max_new, settings=sampler_settings(params),
+            stop_strings=stops, ban_eos=params.use_default_badwordsids, bypass_eos=params.bypass_eos,
+            seed=(seed + i) % (MAX_SEED + 1), abort=abort, banned_strings=tuple(params.banned_tokens),
+            trim_stop=params.trim_stop,
+        )
+        for i in range(n)
+    ]
+
+
+def kobold_finish_reason(reason: Optional[str]) -> str:
+    """KoboldCpp reports "stop" only for EOS; length, stop strings and aborts all read "length"."""
+    return "stop" if reason == "stop" else "length"
+
+
+# -- OpenAPI ------------------------------------------------------------------------------------------
+
+def openapi_schema() -> Dict[str, Any]:
+    """JSON Schema of the generation body, derived from FIELDS."""
+    props: Dict[str, Any] = {}
+    for f in FIELDS:
+        for name in (f.name, *f.aliases):
+            props[name] = _field_schema(f, alias_of=f.name if name != f.name else None)
+    return {"type": "object", "required": [f.name for f in FIELDS if f.required], "properties": props,
+            "additionalProperties": True}
+
+
+def _field_schema(f: Field, alias_of: Optional[str]) -> Dict[str, Any]:
+    s: Dict[str, Any]
+    if f.kind in ("string", "number", "integer", "boolean"):
+        s = {"type": f.kind}
+        if f.minimum is not None:
+            s["minimum"] = f.minimum
+        if f.maximum is not None:
+            s["maximum"] = f.maximum
+    elif f.kind == "string_list":
+        s = {"type": "array", "items": {"type": "string"}}
+    elif f.kind == "int_list":
+        s = {"type": "array", "items": {"type": "integer", "minimum": f.minimum, "maximum": f.maximum},
+             "maxItems": f.max_items}
+    elif f.kind == "bias_map":
+        s = {"type": "object", "additionalProperties": {"type": "number"}}
+    else:
+        s = {"type": "array", "items": {}}
+    if f.default is not None and not alias_of:
+        s["default"] = list(f.default) if isinstance(f.default, tuple) else f.default
+    s["description"] = f"Alias of {alias_of}." if alias_of else f.description
+    return s

@@ -1,0 +1,53 @@
+"""ServerState: what one app instance shares between its blueprints (config, engine holder, queue, counters)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from flask import current_app, request
+
+from kobold_backend.server.config import ServerConfig
+from kobold_backend.server.engine_holder import ActiveModel, EngineHolder
+from kobold_backend.server.errors import BadJson, NoModelLoaded
+from kobold_backend.server.generation import PerfStats
+from kobold_backend.server.queue import WorkQueue
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    holder: EngineHolder
+    queue: WorkQueue
+    perf: PerfStats
+
+    def require_model(self) -> ActiveModel:
+        active = self.holder.active
+        if active is None:
+            raise NoModelLoaded()
+        return active
+
+    def close(self) -> None:
+        self.queue.close()
+
+
+def get_state() -> ServerState:
+    return current_app.extensions["kobold_backend"]
+
+
+def read_json(empty: Any = None) -> Any:
+    """The request body parsed as JSON whatever its Content-Type; `empty` is returned for an empty body."""
+    data = request.get_data(cache=True)
+    if not data.strip():
+        return empty
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        raise BadJson() from None
+
+
+def client_disconnected() -> Callable[[], bool]:
+    """A callable telling whether the client went away (waitress with channel_request_lookahead > 0)."""
+    check = request.environ.get("waitress.client_disconnected")
+    return check if check is not None else (lambda: False)

@@ -1,0 +1,78 @@
+"""The web page at / and the small JSON routes it uses (/ui/*) to pick, configure and load a model."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from flask import Blueprint, current_app, jsonify, request
+
+from kobold_backend.server import models as model_files
+from kobold_backend.server.errors import ApiError
+from kobold_backend.server.queue import Job
+from kobold_backend.server.state import get_state, read_json
+
+bp = Blueprint("web", __name__)
+
+
+@bp.get("/")
+def index() -> Any:
+    resp = current_app.send_static_file("index.html")
+    resp.headers["Cache-Control"] = "no-cache"
+    return resp
+
+
+@bp.get("/ui/status")
+def status() -> Any:
+    state = get_state()
+    active = state.holder.active
+    return jsonify({
+        "model": None if active is None else active.name,
+        "is_demo": bool(active is not None and active.is_demo),
+        "max_context": None if active is None else active.max_context,
+        "loading": state.holder.loading,
+        "protected": bool(state.config.api_key),
+        "models_dir": state.config.models_dir is not None,
+        "default_max_length": state.config.default_max_length,
+    })
+
+
+@bp.get("/ui/models")
+def models() -> Any:
+    found = model_files.list_models(get_state().config.models_dir)
+    return jsonify({"models": [{"id": model_files.DEMO_ID, "name": "Demo model (random weights)"}] + found})
+
+
+def _model_path(name: Optional[str]) -> Any:
+    state = get_state()
+    if name == model_files.DEMO_ID:
+        return None
+    if not isinstance(name, str) or not name:
+        raise ApiError("Choose a model.", 422, "bad_input")
+    if state.config.models_dir is None:
+        raise ApiError("The server was started without --models-dir.", 501, "not_implemented")
+    return model_files.resolve_model(state.config.models_dir, name)
+
+
+@bp.get("/ui/parameters")
+def parameters() -> Any:
+    name = request.args.get("model")
+    path = _model_path(name)
+    if path is None:
+        path = get_state().holder.demo_path
+    return jsonify({"parameters": model_files.requested_parameters(path)})
+
+
+@bp.post("/ui/load")
+def load() -> Any:
+    state = get_state()
+    body = read_json(empty={})
+    if not isinstance(body, dict):
+        raise ApiError("Expected a JSON object.", 422, "bad_input")
+    path = _model_path(body.get("model"))
+    params = body.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise ApiError("parameters must be an object.", 422, "bad_input")
+    job = Job(model_files.load_job(state.holder, path, model_files.load_kwargs(params)))
+    state.queue.submit(job)
+    job.wait(lambda: False)
+    return status()
