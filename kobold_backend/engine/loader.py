@@ -32,7 +32,7 @@ class LoadedModel:
     """A model with its tokenizer; `unload()` frees every tensor it holds."""
 
     model: Model
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer  # None only when loaded with with_tokenizer=False (benchmarks)
     config: ModelConfig
     path: Path
     name: str
@@ -79,14 +79,16 @@ def load_model(
     compress_pos_emb: float = 1.0,
     layer_devices: Optional[Sequence[str]] = None,
     progress: Optional[Progress] = None,
+    with_tokenizer: bool = True,
 ) -> LoadedModel:
     """Load a Llama-family checkpoint (dense or GPTQ 4-bit) from a folder.
 
     `layer_devices` places each decoder layer (one entry per layer); otherwise all go to `device`.
+    `with_tokenizer=False` skips the tokenizer (benchmarks on synthetic checkpoints).
     """
     folder = Path(path)
     config = ModelConfig.from_dir(folder)
-    tokenizer = load_tokenizer(folder, config.bos_token_id, config.eos_token_ids)
+    tokenizer = load_tokenizer(folder, config.bos_token_id, config.eos_token_ids) if with_tokenizer else None
     main = resolve_device(device)
     compute_dtype = resolve_dtype(dtype, main, config)
     if layer_devices is not None and len(layer_devices) != config.num_layers:
@@ -98,7 +100,8 @@ def load_model(
                        rope_alpha, compress_pos_emb, progress)
     log.info("loaded %s: %d layers, %.1f MB of weights on %s", folder.name, config.num_layers,
              model.nbytes / 1e6, main)
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=folder, name=folder.name)
+    return LoadedModel(model=model, tokenizer=tokenizer,  # type: ignore[arg-type]
+                       config=config, path=folder, name=folder.name)
 
 
 def _dtype_for(device: torch.device, compute: torch.dtype) -> torch.dtype:

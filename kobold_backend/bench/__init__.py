@@ -1,0 +1,133 @@
+"""`kobold-backend bench`: this engine's speed on a model-shaped GPTQ checkpoint, optionally beside others.
+
+Builds (or takes with --model) a checkpoint, measures prompt speed, decode speed at two contexts,
+a prefix-reusing chat turn, peak memory and the copy-bandwidth roofline, and with --compare the
+same figures for exllamav2 and transformers fp16 in the same process, with ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import platform
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+
+from kobold_backend import __version__
+from kobold_backend.bench.checkpoint import PRESETS, write_synthetic_gptq
+
+log = logging.getLogger(__name__)
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench", help="measure speed (prompt, decode, chat turn, memory, roofline)")
+    p.add_argument("--model", help="checkpoint folder; default: build a synthetic GPTQ one of --preset's shape")
+    p.add_argument("--preset", default="llama2-7b", choices=sorted(PRESETS), help="shape of the synthetic checkpoint")
+    p.add_argument("--act-order", action="store_true", help="synthetic checkpoint with act-order g_idx")
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--no-graphs", action="store_true", help="eager decode (debugging)")
+    p.add_argument("--compare", action="store_true", help="also measure exllamav2 and transformers fp16")
+    p.add_argument("--samplers", action="store_true", help="also time the samplers per token (CPU)")
+    p.add_argument("--quick", action="store_true", help="short runs (for tests and tiny models)")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE ('-' for stdout)")
+    return p
+
+
+def environment() -> Dict[str, Any]:
+    env: Dict[str, Any] = {"date": datetime.date.today().isoformat(), "kobold_backend": __version__,
+                           "python": platform.python_version(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["cuda_runtime"] = torch.version.cuda
+        try:
+            from kobold_backend.ops.native import status
+
+            env["kernels"] = status()
+        except ImportError:
+            env["kernels"] = "torch reference"
+    return env
+
+
+def _ratios(ours: Dict[str, Any], other: Dict[str, Any]) -> Dict[str, float]:
+    out = {}
+    for key in ("prompt_tokens_per_s", "decode_tokens_per_s"):
+        for n, value in other.get(key, {}).items():
+            if n in ours.get(key, {}) and value:
+                out[f"{key}[{n}]"] = ours[key][n] / value
+    if "chat_turn" in other and "chat_turn" in ours:
+        out["chat_turn_ttft_speedup"] = other["chat_turn"]["ttft_s"] / ours["chat_turn"]["ttft_s"]
+    return out
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from kobold_backend.bench.engine_bench import bench_engine
+
+    quick = args.quick or args.preset == "tiny"
+    with tempfile.TemporaryDirectory(prefix="kobold-bench-") as tmp:
+        path = args.model
+        if path is None:
+            log.info("writing a synthetic %s GPTQ checkpoint%s", args.preset, " (act-order)" if args.act_order else "")
+            path = str(write_synthetic_gptq(Path(tmp) / args.preset, PRESETS[args.preset], args.group_size,
+                                            args.act_order, device="cpu" if args.device == "cpu" else None))
+        shape = dict(prompt_lengths=(16, 64), contexts=(16, 100), decode_steps=8, chat_context=100, chat_new=10,
+                     max_seq_len=256) if quick else {}
+        log.info("measuring kobold-backend")
+        result: Dict[str, Any] = {"environment": environment(), "preset": None if args.model else args.preset,
+                                  "act_order": args.act_order, "model": args.model,
+                                  "kobold_backend": bench_engine(path, args.device, use_graphs=not args.no_graphs,
+                                                                 **shape)}
+        if args.compare:
+            from kobold_backend.bench.compare import bench_exllamav2, bench_transformers
+
+            if torch.cuda.is_available():
+                log.info("measuring exllamav2")
+                result["exllamav2"] = bench_exllamav2(path)
+                log.info("measuring transformers fp16")
+                result["transformers"] = bench_transformers(path)
+            else:
+                result["exllamav2"] = result["transformers"] = {"skipped": "no CUDA GPU"}
+            result["ratios"] = {name: _ratios(result["kobold_backend"], result[name])
+                                for name in ("exllamav2", "transformers") if "skipped" not in result[name]}
+        if args.samplers:
+            from kobold_backend.engine.sampling import benchmark_samplers
+
+            result["samplers"] = {str(v): benchmark_samplers(v) for v in (32000, 128256)}
+    text = json.dumps(result, indent=2)
+    if args.json == "-":
+        sys.stdout.write(text + "\n")
+    elif args.json:
+        Path(args.json).write_text(text + "\n")
+    sys.stderr.write(format_table(result) + "\n")
+    return 0
+
+
+def format_table(result: Dict[str, Any]) -> str:
+    """A short human-readable summary."""
+    lines = []
+    for name in ("kobold_backend", "exllamav2", "transformers"):
+        r = result.get(name)
+        if not r:
+            continue
+        if "skipped" in r:
+            lines.append(f"{name:15s} skipped: {r['skipped']}")
+            continue
+        prompt = ", ".join(f"{k}: {v:,.0f}" for k, v in r.get("prompt_tokens_per_s", {}).items())
+        decode = ", ".join(f"ctx {k}: {v:,.1f}" for k, v in r.get("decode_tokens_per_s", {}).items())
+        lines.append(f"{name:15s} prompt tok/s [{prompt}]  decode tok/s [{decode}]")
+        if "chat_turn" in r:
+            ct = r["chat_turn"]
+            lines.append(f"{'':15s} chat turn TTFT {ct['ttft_s'] * 1e3:.1f} ms vs full prefill "
+                         f"{ct['full_prefill_s'] * 1e3:.1f} ms")
+    kb = result["kobold_backend"]
+    bandwidth = kb["copy_bandwidth_bytes_per_s"] / 1e12
+    lines.append(f"roofline {kb['roofline_tokens_per_s']:,.0f} tok/s at {bandwidth:.2f} TB/s copy bandwidth")
+    for other, ratios in result.get("ratios", {}).items():
+        lines.append(f"vs {other}: " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))
+    return "\n".join(lines)
