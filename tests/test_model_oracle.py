@@ -7,59 +7,23 @@ KV cache, prefix reuse, and cache independence.
 
 from __future__ import annotations
 
-import inspect
 import json
 import shutil
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List
 
 import pytest
 import torch
-import transformers
 
 from kobold_backend.engine.loader import LoadedModel, load_model
 from kobold_backend.errors import OutOfContextError
 from tests.fixtures.checkpoints import SPECS, BuiltCheckpoint, CheckpointFactory
+from tests.fixtures.hf_oracle import hf_load, hf_step, row_rel_err
 
 ALL = [s.name for s in SPECS]
 LOGITS_RTOL = 1e-4
 REUSE_RTOL = 1e-5
 GREEDY_TOKENS = 32
-
-transformers.utils.logging.set_verbosity_error()
-transformers.utils.logging.disable_progress_bar()
-
-
-def hf_load(folder: Path) -> torch.nn.Module:
-    """Load a dense folder in float32 and check that every tensor in it was used (none left at random init)."""
-    dtype_kw = "dtype" if _version() >= (4, 56) else "torch_dtype"
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        str(folder), output_loading_info=True, **{dtype_kw: torch.float32}
-    )
-    problems = {k: v for k, v in info.items() if v}
-    assert not problems, f"transformers did not load {folder.name} cleanly: {problems}"
-    return model.eval()
-
-
-def _version() -> Tuple[int, int]:
-    major, minor = transformers.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
-def hf_step(model: torch.nn.Module, ids: torch.Tensor, past: object) -> Tuple[torch.Tensor, object]:
-    """One transformers forward with its KV cache (the keyword is `cache` from v5, `past_key_values` before)."""
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    with torch.no_grad():
-        out = model(ids, use_cache=True, **({key: past} if past is not None else {}))
-    return out.logits, getattr(out, key)
-
-
-def row_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """max over positions of ||ours - ref|| / ||ref|| along the vocabulary."""
-    ours = ours.reshape(-1, ref.shape[-1]).double()
-    ref = ref.reshape(-1, ref.shape[-1]).double()
-    return ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
-
 
 def prompt_ids(built: BuiltCheckpoint, n: int, seed: int) -> torch.Tensor:
     """[1, n] ids: bos then random ordinary tokens of the tokenizer's vocabulary."""
