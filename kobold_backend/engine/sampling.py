@@ -1,19 +1,48 @@
 """Token sampling: SamplerSettings (KoboldAI United and KoboldCpp fields) and the Sampler over logits.
 
-This first version implements the final interface with logit bias, bans, temperature, top-k and top-p;
-the remaining samplers follow.
+The pipeline for one token (docs/samplers.md has the details and where each rule comes from):
+logit_bias and bans -> DRY -> the samplers of `sampler_order` (ids 0-6) -> XTC -> draw; with mirostat
+1 or 2 the order is replaced by repetition penalty -> temperature -> mirostat. Everything runs on the
+logits' device; per-token state (penalty positions, DRY matches, mirostat mu) is kept there and updated
+by `accept`, so the only host transfer per token is the chosen id.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
+from kobold_backend.engine.samplers import mirostat as _mirostat
+from kobold_backend.engine.samplers import temperature as _temperature
+from kobold_backend.engine.samplers import truncation as _truncation
+from kobold_backend.engine.samplers.candidates import NEG_INF, Candidates, draw
+from kobold_backend.engine.samplers.dry import DryPenalty, parse_sequence_breakers
+from kobold_backend.engine.samplers.penalties import RepetitionPenalty
+from kobold_backend.engine.samplers.xtc import xtc, xtc_enabled
 from kobold_backend.errors import RequestError
 
+__all__ = ["REP_PEN_MODES", "SamplerSettings", "Sampler", "parse_sequence_breakers", "benchmark_samplers"]
+
 REP_PEN_MODES = ("kobold_united", "koboldcpp")
+SAMPLER_IDS = {0: "top_k", 1: "top_a", 2: "top_p/min_p", 3: "tfs", 4: "typical", 5: "temperature", 6: "rep_pen"}
+LOGIT_BIAS_LIMIT = 100.0
+
+_FLOAT_FIELDS = (
+    "temperature", "top_p", "top_a", "tfs", "typical", "min_p", "rep_pen", "rep_pen_slope",
+    "presence_penalty", "frequency_penalty", "dynatemp_range", "dynatemp_exponent", "smoothing_factor",
+    "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base", "xtc_threshold", "xtc_probability",
+)
+_UNIT_FIELDS = ("top_p", "tfs", "typical", "min_p", "xtc_threshold", "xtc_probability")
+_NON_NEGATIVE_FIELDS = (
+    "top_a", "rep_pen_slope", "dynatemp_range", "smoothing_factor", "mirostat_tau", "mirostat_eta",
+    "dry_multiplier", "dry_base",
+)
+_INT_FIELDS = ("top_k", "rep_pen_range", "mirostat", "dry_allowed_length", "dry_penalty_last_n")
 
 
 @dataclass
@@ -52,31 +81,50 @@ class SamplerSettings:
 
     def validate(self) -> None:
         """Raise RequestError(message, field) for the first out-of-range value."""
-        if self.rep_pen_mode not in REP_PEN_MODES:
-            raise RequestError(f"rep_pen_mode must be one of {REP_PEN_MODES}", "rep_pen_mode")
-        if self.top_k < 0:
-            raise RequestError("top_k must be >= 0", "top_k")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise RequestError("top_p must be in [0, 1]", "top_p")
-        if self.top_a < 0.0:
-            raise RequestError("top_a must be >= 0", "top_a")
-        if not 0.0 <= self.tfs <= 1.0:
-            raise RequestError("tfs must be in [0, 1]", "tfs")
-        if not 0.0 <= self.typical <= 1.0:
-            raise RequestError("typical must be in [0, 1]", "typical")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise RequestError("min_p must be in [0, 1]", "min_p")
-        if self.rep_pen < 1.0:
-            raise RequestError("rep_pen must be >= 1", "rep_pen")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise RequestError(f"{name} must be a finite number", name)
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise RequestError(f"{name} must be an integer", name)
+        for name in _UNIT_FIELDS:
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise RequestError(f"{name} must be between 0 and 1", name)
+        for name in _NON_NEGATIVE_FIELDS:
+            if getattr(self, name) < 0.0:
+                raise RequestError(f"{name} must be >= 0", name)
+        if self.rep_pen <= 0.0:
+            raise RequestError("rep_pen must be > 0", "rep_pen")
         if self.rep_pen_range < 0:
             raise RequestError("rep_pen_range must be >= 0", "rep_pen_range")
+        if self.rep_pen_mode not in REP_PEN_MODES:
+            raise RequestError(f"rep_pen_mode must be one of {', '.join(REP_PEN_MODES)}", "rep_pen_mode")
         if self.mirostat not in (0, 1, 2):
             raise RequestError("mirostat must be 0, 1 or 2", "mirostat")
-        for sid in self.sampler_order:
-            if sid not in range(7):
-                raise RequestError("sampler_order ids must be in 0..6", "sampler_order")
-        if len(set(self.sampler_order)) != len(self.sampler_order):
-            raise RequestError("sampler_order has a repeated id", "sampler_order")
+        if self.dry_multiplier > 0.0 and self.dry_base <= 0.0:
+            raise RequestError("dry_base must be > 0", "dry_base")
+        if self.dry_allowed_length < 0:
+            raise RequestError("dry_allowed_length must be >= 0", "dry_allowed_length")
+        if not isinstance(self.dry_sequence_breakers, (list, tuple)) or not all(
+            isinstance(b, str) for b in self.dry_sequence_breakers
+        ):
+            raise RequestError("dry_sequence_breakers must be a list of strings", "dry_sequence_breakers")
+        order = self.sampler_order
+        if not isinstance(order, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i in SAMPLER_IDS for i in order
+        ):
+            raise RequestError("sampler_order must list sampler ids 0-6", "sampler_order")
+        if len(set(order)) != len(order):
+            raise RequestError("sampler_order repeats a sampler id", "sampler_order")
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise RequestError("logit_bias keys must be token ids", "logit_bias")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                raise RequestError("logit_bias values must be finite numbers", "logit_bias")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.banned_token_ids):
+            raise RequestError("banned_token_ids must be token ids", "banned_token_ids")
 
 
 class Sampler:
@@ -91,52 +139,207 @@ class Sampler:
         token_texts: Optional[List[str]] = None,
     ) -> None:
         settings.validate()
+        s = settings
         self.settings = settings
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self.token_texts = token_texts
+        self.seed = int(seed) if seed is not None and seed >= 0 else int.from_bytes(os.urandom(4), "little")
         self.generator = torch.Generator(device=self.device)
-        if seed is None or seed < 0:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(int(seed))
+        self.generator.manual_seed(self.seed)
         self.context: List[int] = []
-        self._bias = torch.zeros(vocab_size, dtype=torch.float32, device=self.device)
-        for tid, b in settings.logit_bias.items():
-            if 0 <= int(tid) < vocab_size:
-                self._bias[int(tid)] += max(-100.0, min(100.0, float(b)))
-        banned = [t for t in settings.banned_token_ids if 0 <= t < vocab_size]
+        # On the CPU, drop removed candidates between samplers (host reads are free there); tests may
+        # switch it off to run the fixed-shape accelerator path on the CPU.
+        self.compact = self.device.type == "cpu"
+        self._greedy = s.temperature <= 0.0
+        self._bias, self._has_bans = self._build_bias(s)
+        self._penalty = RepetitionPenalty(
+            s.rep_pen_mode, s.rep_pen, s.rep_pen_range, s.rep_pen_slope, s.presence_penalty,
+            s.frequency_penalty, vocab_size, self.device,
+        )
+        self._dry = DryPenalty(
+            s.dry_multiplier, s.dry_base, s.dry_allowed_length, s.dry_penalty_last_n,
+            s.dry_sequence_breakers, vocab_size, self.device, token_texts,
+        )
+        self._steps = tuple(i for i in s.sampler_order if self._step_active(i))
+        self._xtc = s.mirostat == 0 and xtc_enabled(s.xtc_threshold, s.xtc_probability)
+        self._mu = torch.tensor(2.0 * s.mirostat_tau, dtype=torch.float32, device=self.device)
+        self.begin([])
+
+    def _build_bias(self, s: SamplerSettings) -> Tuple[Optional[torch.Tensor], bool]:
+        """One additive tensor: clamped logit biases, -inf on banned ids (ids outside the vocabulary are ignored)."""
+        bias = {t: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b))) for t, b in s.logit_bias.items()
+                if 0 <= t < self.vocab_size}
+        banned = sorted({t for t in s.banned_token_ids if 0 <= t < self.vocab_size})
+        if not bias and not banned:
+            return None, False
+        values = torch.zeros(self.vocab_size, dtype=torch.float32)
+        for token, b in bias.items():
+            values[token] = b
         if banned:
-            self._bias[torch.tensor(banned, dtype=torch.long, device=self.device)] = float("-inf")
+            values[torch.tensor(banned, dtype=torch.long)] = NEG_INF
+        return values.to(self.device), bool(banned)
+
+    def _step_active(self, sampler_id: int) -> bool:
+        s = self.settings
+        return {
+            0: s.top_k > 0,
+            1: s.top_a > 0.0,
+            2: s.top_p < 1.0 or s.min_p > 0.0,
+            3: s.tfs < 1.0,
+            4: s.typical < 1.0,
+            5: self._greedy or s.temperature != 1.0 or s.dynatemp_range > 0.0 or s.smoothing_factor > 0.0,
+            6: self._penalty.active,
+        }[sampler_id]
 
     def begin(self, context_ids: List[int]) -> None:
-        """Start a request on this prompt; resets all incremental state."""
-        self.context = list(context_ids)
+        """Start a request on this prompt; resets penalty positions, DRY history and mirostat mu."""
+        self.context = [int(t) for t in context_ids]
+        self._penalty.reset(self.context)
+        self._dry.reset(self.context)
+        self._mu.fill_(2.0 * self.settings.mirostat_tau)
 
     def accept(self, token_id: int) -> None:
         """Append a generated (or forced) token to the context."""
         self.context.append(int(token_id))
+        self._penalty.push(self.context)
+        self._dry.push(self.context)
 
     def rewind(self, n: int) -> None:
-        """Forget the last n accepted tokens."""
-        if n > 0:
-            del self.context[-n:]
+        """Forget the last n accepted tokens (the state is rebuilt from the remaining context)."""
+        if n <= 0:
+            return
+        del self.context[max(0, len(self.context) - n) :]
+        self._penalty.reset(self.context)
+        self._dry.reset(self.context)
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """The final logits [V] (vocabulary order, removed tokens -inf) that `sample` would draw from.
+
+        Draws the XTC roll like `sample` does, so interleaving the two changes the random stream.
+        """
+        return self._warp(self._prepare(logits)).to_vocab(self.vocab_size)
 
     def sample(self, logits: torch.Tensor) -> int:
-        """Pick the next token id from raw logits [V]."""
+        """Pick the next token id from raw logits [V] (float32 on the sampler's device)."""
+        c = self._warp(self._prepare(logits))
+        if self._greedy:
+            pos = torch.argmax(c.vals).reshape(1)
+            probs = None
+        else:
+            pos, probs = draw(c, self.generator)
+        if self.settings.mirostat:
+            chosen = c.probs()[pos] if probs is None else probs[pos]
+            self._mu = _mirostat.update_mu(self._mu, chosen, self.settings.mirostat_tau, self.settings.mirostat_eta)
+        return int(c.token_at(pos).item())
+
+    def _prepare(self, logits: torch.Tensor) -> torch.Tensor:
+        x = logits.reshape(-1)
+        if x.numel() != self.vocab_size:
+            raise ValueError(f"expected {self.vocab_size} logits, got {x.numel()}")
+        x = x.to(device=self.device, dtype=torch.float32)
+        if self._bias is not None:
+            biased = x + self._bias
+            if self._has_bans:
+                # Every remaining token banned: drop the bans for this token rather than fail.
+                biased = torch.where((biased > NEG_INF).any(), biased, x)
+            x = biased
+        return self._dry.apply(x)
+
+    def _warp(self, x: torch.Tensor) -> Candidates:
         s = self.settings
-        x = logits.to(self.device, torch.float32) + self._bias
-        if s.temperature <= 0.0:
-            return int(torch.argmax(x).item())
-        if s.top_k > 0:
-            kth = torch.topk(x, min(s.top_k, x.numel())).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        if s.top_p < 1.0:
-            sx, idx = torch.sort(x)
-            cum = torch.softmax(sx, dim=-1).cumsum(-1)
-            remove = cum <= 1.0 - s.top_p
-            remove[-1] = False
-            x = x.scatter(0, idx, sx.masked_fill(remove, float("-inf")))
-        x = x / s.temperature
-        probs = torch.softmax(x, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+        c = Candidates(x, host=self.compact)
+        if s.mirostat:
+            self._penalty.apply(c)
+            if self._greedy:
+                _temperature.greedy(c)
+            else:
+                _temperature.temperature(c, s.temperature, s.smoothing_factor)
+            if s.mirostat == 1:
+                _mirostat.mirostat_v1(c, self._mu, self.vocab_size)
+            else:
+                _mirostat.mirostat_v2(c, self._mu)
+            return c
+        for sampler_id in self._steps:
+            if sampler_id == 0:
+                _truncation.top_k(c, s.top_k)
+            elif sampler_id == 1:
+                _truncation.top_a(c, s.top_a)
+            elif sampler_id == 2:
+                if s.top_p < 1.0:
+                    _truncation.top_p(c, s.top_p)
+                if s.min_p > 0.0:
+                    _truncation.min_p(c, s.min_p)
+            elif sampler_id == 3:
+                _truncation.tail_free(c, s.tfs)
+            elif sampler_id == 4:
+                _truncation.typical(c, s.typical)
+            elif sampler_id == 5:
+                if self._greedy:
+                    # One candidate left: nothing later (penalties, truncation, XTC) can change the pick.
+                    _temperature.greedy(c)
+                    return c
+                if s.dynatemp_range > 0.0:
+                    _temperature.dynamic_temperature(
+                        c, s.temperature, s.dynatemp_range, s.dynatemp_exponent, s.smoothing_factor
+                    )
+                else:
+                    _temperature.temperature(c, s.temperature, s.smoothing_factor)
+            else:
+                self._penalty.apply(c)
+            if sampler_id <= 4:
+                c.compact()
+        if self._xtc and not self._greedy:
+            xtc(c, s.xtc_threshold, s.xtc_probability, self.generator)
+        return c
+
+
+def _benchmark_settings(mode: str) -> SamplerSettings:
+    """Every sampler switched on at typical strengths (the XTC roll always fires)."""
+    return SamplerSettings(
+        temperature=0.8, top_k=200, top_p=0.95, top_a=0.02, tfs=0.97, typical=0.95, min_p=0.02,
+        rep_pen=1.1, rep_pen_range=1024, rep_pen_slope=0.7, rep_pen_mode=mode, presence_penalty=0.1,
+        frequency_penalty=0.1, dynatemp_range=0.3, smoothing_factor=0.2, dry_multiplier=0.8,
+        dry_penalty_last_n=1024, xtc_threshold=0.1, xtc_probability=1.0,
+        logit_bias={1: 2.0, 2: -3.0}, banned_token_ids=(0,),
+    )
+
+
+def benchmark_samplers(
+    vocab_size: int, device: Union[torch.device, str] = "cpu", steps: int = 50, context_len: int = 2048
+) -> Dict[str, object]:
+    """Per-token cost (sample + accept, ms) of default settings vs every sampler on, on random logits.
+
+    The context repeats itself so that the penalties and DRY have work to do. Keys: `default_ms`,
+    `all_united_ms`, `all_koboldcpp_ms`, `mirostat2_ms`, `greedy_ms`, plus the inputs.
+    """
+    dev = torch.device(device)
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(1234)
+    logits = (torch.randn(steps + 2, vocab_size, generator=gen) * 3.0).to(dev)
+    phrase = torch.randint(0, vocab_size, (64,), generator=gen).tolist()
+    context = (phrase * (context_len // len(phrase) + 1))[:context_len]
+    texts = [f"t{i}" if i % 97 else "\n" for i in range(vocab_size)]
+    cases = {
+        "default_ms": SamplerSettings(),
+        "greedy_ms": SamplerSettings(temperature=0.0),
+        "all_united_ms": _benchmark_settings("kobold_united"),
+        "all_koboldcpp_ms": _benchmark_settings("koboldcpp"),
+        "mirostat2_ms": SamplerSettings(mirostat=2, temperature=0.8, rep_pen=1.1, rep_pen_range=1024,
+                                        rep_pen_mode="koboldcpp"),
+    }
+    result: Dict[str, object] = {"vocab_size": vocab_size, "device": str(dev), "steps": steps,
+                                 "context_len": context_len}
+    for name, settings in cases.items():
+        sampler = Sampler(settings, vocab_size, dev, seed=7, token_texts=texts)
+        sampler.begin(context)
+        for row in logits[:2]:
+            sampler.accept(sampler.sample(row))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        for row in logits[2:]:
+            sampler.accept(sampler.sample(row))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        result[name] = (time.perf_counter() - start) * 1000.0 / steps
+    return result

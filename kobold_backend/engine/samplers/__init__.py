@@ -1,0 +1,1 @@
+"""Sampler families behind engine.sampling: truncation, temperature, penalties, DRY, XTC and mirostat."""

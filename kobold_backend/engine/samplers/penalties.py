@@ -1,0 +1,128 @@
+"""Repetition penalty (sampler id 6) with presence and frequency penalties, from state kept on the device.
+
+Two rules (see docs/samplers.md): KoboldAI United's curve ("kobold_united") and KoboldCpp's half-window
+rule ("koboldcpp"). Both only need, per vocabulary token, the position of its newest occurrence; the
+frequency penalty also keeps per-token counts over the window. Both are updated per accepted token.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from kobold_backend.engine.samplers.candidates import Candidates
+
+
+def united_curve(rep_pen: float, rep_pen_range: int, slope: float) -> List[float]:
+    """United's per-position penalties over a full window, oldest first (newest = rep_pen)."""
+    if rep_pen_range == 1:
+        return [rep_pen]
+    curve = []
+    for i in range(rep_pen_range):
+        x = i / (rep_pen_range - 1) * 2.0 - 1.0
+        y = slope * x / (1.0 + abs(x) * (slope - 1.0))
+        curve.append(1.0 + (y + 1.0) / 2.0 * (rep_pen - 1.0))
+    return curve
+
+
+class RepetitionPenalty:
+    """Per-token newest-occurrence positions and window counts; applies slot 6 to a Candidates set."""
+
+    def __init__(
+        self,
+        mode: str,
+        rep_pen: float,
+        rep_pen_range: int,
+        rep_pen_slope: float,
+        presence_penalty: float,
+        frequency_penalty: float,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        self.mode = mode
+        self.rep_pen = rep_pen
+        self.range = rep_pen_range if mode == "kobold_united" else max(rep_pen_range, 1)
+        self.slope = rep_pen_slope
+        self.presence = presence_penalty
+        self.frequency = frequency_penalty
+        self.vocab_size = vocab_size
+        self.device = device
+        self.active = rep_pen != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0
+        self.reduced = 1.0 + (rep_pen - 1.0) * rep_pen_slope if rep_pen > 1.0 else rep_pen
+        self._curve: Optional[torch.Tensor] = None
+        if mode == "kobold_united" and self.range > 0 and rep_pen_slope != 0.0:
+            self._curve = torch.tensor(
+                united_curve(rep_pen, self.range, rep_pen_slope), dtype=torch.float32, device=device
+            )
+        # Index vocab_size collects ids outside the vocabulary so that no update can go out of bounds.
+        self._last_pos = torch.full((vocab_size + 1,), -1, dtype=torch.long, device=device)
+        self._counts: Optional[torch.Tensor] = None
+        if frequency_penalty != 0.0:
+            self._counts = torch.zeros(vocab_size + 1, dtype=torch.float32, device=device)
+        self._length = 0
+
+    def window(self, length: int) -> int:
+        """How many of the newest tokens the penalty looks at, for a context of `length` tokens."""
+        if self.range <= 0:
+            return length
+        return min(length, self.range)
+
+    def _slot(self, token: int) -> int:
+        return token if 0 <= token < self.vocab_size else self.vocab_size
+
+    def reset(self, context: List[int]) -> None:
+        """Rebuild the state for a whole context (begin, rewind)."""
+        self._length = len(context)
+        if not self.active:
+            return
+        self._last_pos.fill_(-1)
+        if context:
+            ids = torch.tensor([self._slot(t) for t in context], dtype=torch.long, device=self.device)
+            positions = torch.arange(len(context), dtype=torch.long, device=self.device)
+            self._last_pos.scatter_reduce_(0, ids, positions, "amax")
+            if self._counts is not None:
+                w = self.window(len(context))
+                self._counts.zero_()
+                self._counts.index_add_(0, ids[len(context) - w :], torch.ones(w, device=self.device))
+
+    def push(self, context: List[int]) -> None:
+        """Account for context[-1], just appended."""
+        self._length = len(context)
+        if not self.active:
+            return
+        token = self._slot(context[-1])
+        self._last_pos[token] = self._length - 1
+        if self._counts is not None:
+            self._counts[token] += 1.0
+            if self.range > 0 and self._length > self.range:
+                self._counts[self._slot(context[-1 - self.range])] -= 1.0
+
+    def apply(self, c: Candidates) -> None:
+        """Penalise the candidates that occur in the window."""
+        length = self._length
+        w = self.window(length)
+        if not self.active or w == 0:
+            return
+        last_pos = c.per_token(self._last_pos[: self.vocab_size])
+        distance = (length - 1) - last_pos
+        in_window = (last_pos >= 0) & (distance < w)
+        vals = c.vals
+        if self.rep_pen != 1.0:
+            if self.mode == "kobold_united":
+                if self._curve is not None:
+                    index = (self.range - 1 - distance).clamp(0, self.range - 1)
+                    factor = torch.where(in_window, self._curve[index], torch.ones_like(vals))
+                else:
+                    factor = 1.0 + (self.rep_pen - 1.0) * in_window.to(vals.dtype)
+            else:
+                near = (in_window & (2 * distance + 2 <= w)).to(vals.dtype)
+                factor = 1.0 + (self.reduced - 1.0) * in_window.to(vals.dtype)
+                factor = factor + (self.rep_pen - self.reduced) * near
+            vals = torch.where(vals <= 0, vals * factor, vals / factor)
+        if self.presence != 0.0:
+            vals = vals - self.presence * in_window.to(vals.dtype)
+        if self._counts is not None:
+            vals = vals - self.frequency * c.per_token(self._counts[: self.vocab_size])
+        c.vals = vals
+        c.sorted = False
