@@ -50,7 +50,7 @@ def put_model() -> Any:
         if state.config.models_dir is None:
             raise ApiError("Loading models over the API needs --models-dir.", 501, "not_implemented")
         path = model_files.resolve_model(state.config.models_dir, body["model"])
-        job = Job(model_files.load_job(state.holder, path, {}))
+        job = Job(model_files.load_job(state.holder, path, None))
     state.queue.submit(job)
     job.wait(lambda: False)
     return jsonify({})

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from kobold_backend.errors import ModelFormatError
+from kobold_backend.errors import ModelFormatError, RequestError
 from kobold_backend.server.errors import ApiError
 from kobold_backend.server.queue import Job
 
@@ -45,13 +45,21 @@ def list_models(models_dir: Optional[Path]) -> List[Dict[str, str]]:
     return found
 
 
+def _host_parameters() -> Any:
+    """The United plugin's parameter module (kobold_backend.host.parameters), when it is installed."""
+    if importlib.util.find_spec("kobold_backend.host.parameters") is None:
+        return None
+    import kobold_backend.host.parameters as host_parameters
+
+    return host_parameters
+
+
 def requested_parameters(model_path: Optional[Path]) -> List[Dict[str, Any]]:
     """The load parameters shown by the web page: the United plugin's list when that module exists,
     else the server's own short list (context size and device)."""
-    if importlib.util.find_spec("kobold_backend.host.parameters") is not None:
-        from kobold_backend.host.parameters import requested_parameters as host_parameters
-
-        return list(host_parameters(model_path))
+    host = _host_parameters()
+    if host is not None:
+        return list(host.requested_parameters(model_path))
     max_ctx = 4096
     if model_path is not None:
         try:
@@ -71,8 +79,14 @@ def requested_parameters(model_path: Optional[Path]) -> List[Dict[str, Any]]:
     ]
 
 
-def load_kwargs(parameters: Dict[str, Any]) -> Dict[str, Any]:
-    """load_model keywords from parameter values keyed by parameter id (unknown ids are ignored)."""
+def load_kwargs(parameters: Dict[str, Any], model_path: Path) -> Dict[str, Any]:
+    """load_model keywords from parameter values keyed by parameter id; the plugin's load_options does the
+    mapping when it exists (RequestError names a bad field), else the ids of the short list are read."""
+    host = _host_parameters()
+    if host is not None:
+        from kobold_backend.engine.config import ModelConfig
+
+        return dict(host.load_options(parameters, ModelConfig.from_dir(model_path)).load_kwargs())
     kwargs: Dict[str, Any] = {}
     for key, value in parameters.items():
         kw = PARAM_TO_KWARG.get(key)
@@ -88,15 +102,16 @@ def load_kwargs(parameters: Dict[str, Any]) -> Dict[str, Any]:
             else:
                 kwargs[kw] = str(value)
         except (TypeError, ValueError):
-            raise ApiError(f"Parameter {key} has an invalid value {value!r}.", 422, "bad_input") from None
-    if "device" in kwargs and kwargs["device"] not in ("auto", "cpu", "cuda") \
-            and not kwargs["device"].startswith("cuda:"):
-        raise ApiError("device must be auto, cpu, cuda or cuda:N.", 422, "bad_input")
+            raise RequestError(f"{key} has an invalid value {value!r}", key) from None
+    device = kwargs.get("device")
+    if device is not None and device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+        raise RequestError("device must be auto, cpu, cuda or cuda:N", "device")
     return kwargs
 
 
-def load_job(holder: Any, path: Optional[Path], kwargs: Dict[str, Any]) -> Callable[[Job], None]:
-    """A worker job loading `path` (None: the demo model, built on first use)."""
+def load_job(holder: Any, path: Optional[Path], parameters: Optional[Dict[str, Any]]) -> Callable[[Job], None]:
+    """A worker job loading `path` (None: the demo model, built on first use). `parameters` are the web page's
+    values keyed by parameter id; None keeps the server's own load settings."""
 
     def run(job: Job) -> None:
         target = path
@@ -105,6 +120,7 @@ def load_job(holder: Any, path: Optional[Path], kwargs: Dict[str, Any]) -> Calla
 
             target = Path(ensure_demo_model())
             holder.demo_path = target.resolve()
+        kwargs = load_kwargs(parameters, target) if parameters is not None else {}
         try:
             holder.load(target, **kwargs)
         except (ModelFormatError, ValueError, RuntimeError, OSError) as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 from flask import Blueprint, current_app, jsonify, request
@@ -58,7 +59,9 @@ def parameters() -> Any:
     name = request.args.get("model")
     path = _model_path(name)
     if path is None:
-        path = get_state().holder.demo_path
+        from kobold_backend.demo import ensure_demo_model
+
+        path = Path(ensure_demo_model())
     return jsonify({"parameters": model_files.requested_parameters(path)})
 
 
@@ -72,7 +75,7 @@ def load() -> Any:
     params = body.get("parameters") or {}
     if not isinstance(params, dict):
         raise ApiError("parameters must be an object.", 422, "bad_input")
-    job = Job(model_files.load_job(state.holder, path, model_files.load_kwargs(params)))
+    job = Job(model_files.load_job(state.holder, path, params))
     state.queue.submit(job)
     job.wait(lambda: False)
     return status()

@@ -1,0 +1,350 @@
+// kobold_backend web page: model loading through /ui/*, generation through the KoboldCpp SSE stream
+// (/api/extra/generate/stream read with fetch()), stop through /api/extra/abort with the request's genkey.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const SAMPLER_FIELDS = ["max_length", "max_context_length", "temperature", "top_k", "top_p", "min_p", "top_a",
+  "typical", "tfs", "rep_pen", "rep_pen_range", "rep_pen_slope", "sampler_seed"];
+const INT_FIELDS = new Set(["max_length", "max_context_length", "top_k", "rep_pen_range", "sampler_seed"]);
+
+let genkey = null;
+let mode = "story";
+const chatHistory = [];
+
+function authHeaders() {
+  const headers = { "Content-Type": "application/json" };
+  const key = localStorage.getItem("kobold_backend_api_key");
+  if (key) headers.Authorization = "Bearer " + key;
+  return headers;
+}
+
+function errorText(status, data) {
+  if (data && data.detail) {
+    if (typeof data.detail.msg === "string") return data.detail.msg;
+    return Object.entries(data.detail).map(([k, v]) => k + ": " + [].concat(v).join(" ")).join("; ");
+  }
+  return "HTTP " + status;
+}
+
+async function api(method, url, body) {
+  const resp = await fetch(url, {
+    method, headers: authHeaders(), body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  let data = null;
+  try { data = await resp.json(); } catch (e) { data = null; }
+  if (!resp.ok) throw new Error(errorText(resp.status, data));
+  return data;
+}
+
+function setMsg(id, text, isError) {
+  const el = $(id);
+  el.textContent = text || "";
+  el.classList.toggle("error", Boolean(isError));
+}
+
+// ---- status and model loading ------------------------------------------------------------------
+
+async function refreshStatus() {
+  let st;
+  try {
+    st = await api("GET", "/ui/status");
+  } catch (e) {
+    $("status").textContent = "not connected: " + e.message;
+    $("key-box").hidden = false;
+    return null;
+  }
+  $("key-box").hidden = !st.protected;
+  if (st.loading) $("status").textContent = "loading " + st.loading + "…";
+  else if (st.model) $("status").textContent = "model: " + st.model + " · context " + st.max_context + " tokens";
+  else $("status").textContent = "no model loaded";
+  $("demo-badge").hidden = !st.is_demo;
+  if (st.max_context) {
+    const ctx = $("max_context_length");
+    ctx.max = st.max_context;
+    if (!ctx.dataset.touched) ctx.value = Math.min(2048, st.max_context);
+  }
+  $("generate-btn").disabled = !st.model || Boolean(genkey);
+  return st;
+}
+
+async function loadModelList() {
+  const sel = $("model-select");
+  try {
+    const data = await api("GET", "/ui/models");
+    sel.innerHTML = "";
+    for (const m of data.models) {
+      const opt = document.createElement("option");
+      opt.value = m.id;
+      opt.textContent = m.name;
+      sel.appendChild(opt);
+    }
+    await loadParams();
+  } catch (e) {
+    setMsg("load-msg", e.message, true);
+  }
+}
+
+function paramInput(p) {
+  const unit = p.unit || "text";
+  let input;
+  if (p.uitype === "toggle") {
+    input = document.createElement("input");
+    input.type = "checkbox";
+    input.checked = Boolean(p.default);
+  } else if (p.uitype === "dropdown") {
+    input = document.createElement("select");
+    for (const c of p.children || []) {
+      const opt = document.createElement("option");
+      opt.value = c.value;
+      opt.textContent = c.text;
+      input.appendChild(opt);
+    }
+    if (p.default !== undefined) input.value = p.default;
+  } else if (p.uitype === "slider") {
+    input = document.createElement("input");
+    input.type = "number";
+    for (const k of ["min", "max", "step"]) if (p[k] !== undefined) input[k] = p[k];
+    input.value = p.default;
+  } else {
+    input = document.createElement("input");
+    input.type = p.uitype === "password" ? "password" : "text";
+    input.value = p.default === undefined ? "" : p.default;
+  }
+  input.dataset.paramId = p.id;
+  input.dataset.unit = unit;
+  return input;
+}
+
+async function loadParams() {
+  const form = $("load-params");
+  form.innerHTML = "";
+  const model = $("model-select").value;
+  if (!model) return;
+  try {
+    const data = await api("GET", "/ui/parameters?model=" + encodeURIComponent(model));
+    for (const p of data.parameters) {
+      const label = document.createElement("label");
+      label.title = p.tooltip || "";
+      if (p.uitype === "Valid Display") {
+        label.textContent = p.label;
+        form.appendChild(label);
+        continue;
+      }
+      label.textContent = p.label + " ";
+      if (p.uitype === "slider") {
+        const row = document.createElement("div");
+        row.className = "param-row";
+        const range = document.createElement("input");
+        range.type = "range";
+        for (const k of ["min", "max", "step"]) if (p[k] !== undefined) range[k] = p[k];
+        range.value = p.default;
+        const num = paramInput(p);
+        range.addEventListener("input", () => { num.value = range.value; });
+        num.addEventListener("input", () => { range.value = num.value; });
+        row.append(range, num);
+        label.appendChild(row);
+      } else {
+        label.appendChild(paramInput(p));
+      }
+      form.appendChild(label);
+    }
+  } catch (e) {
+    setMsg("load-msg", e.message, true);
+  }
+}
+
+function collectParams() {
+  const out = {};
+  for (const el of $("load-params").querySelectorAll("[data-param-id]")) {
+    const unit = el.dataset.unit;
+    let v = el.type === "checkbox" ? el.checked : el.value;
+    if (unit === "int") v = parseInt(v, 10);
+    else if (unit === "float") v = parseFloat(v);
+    out[el.dataset.paramId] = v;
+  }
+  return out;
+}
+
+async function loadModel() {
+  $("load-btn").disabled = true;
+  setMsg("load-msg", "Loading…");
+  const poll = setInterval(refreshStatus, 1000);
+  try {
+    await api("POST", "/ui/load", { model: $("model-select").value, parameters: collectParams() });
+    setMsg("load-msg", "Loaded.");
+  } catch (e) {
+    setMsg("load-msg", e.message, true);
+  } finally {
+    clearInterval(poll);
+    $("load-btn").disabled = false;
+    await refreshStatus();
+  }
+}
+
+// ---- generation ----------------------------------------------------------------------------------
+
+function samplerBody() {
+  const body = {};
+  for (const f of SAMPLER_FIELDS) {
+    const raw = $(f).value;
+    if (raw === "") continue;
+    body[f] = INT_FIELDS.has(f) ? parseInt(raw, 10) : parseFloat(raw);
+  }
+  body.stop_sequence = $("stop_sequence").value.split("\n").filter((s) => s !== "")
+    .map((s) => s.replace(/\\n/g, "\n"));
+  body.trim_stop = $("trim_stop").checked;
+  return body;
+}
+
+function showSpeed(tokens, seconds, final) {
+  if (seconds <= 0) return;
+  const rate = (tokens / seconds).toFixed(1);
+  $("speed").textContent = rate + " tokens/s · " + tokens + " tokens" + (final ? "" : " …");
+}
+
+// Reads KoboldCpp's SSE framing: blocks separated by a blank line, one `data:` line of JSON each.
+async function streamGenerate(body, onToken) {
+  const resp = await fetch("/api/extra/generate/stream", {
+    method: "POST", headers: authHeaders(), body: JSON.stringify(body),
+  });
+  if (!resp.ok) {
+    let data = null;
+    try { data = await resp.json(); } catch (e) { data = null; }
+    throw new Error(errorText(resp.status, data));
+  }
+  const reader = resp.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  let finish = null;
+  let events = 0;
+  const started = performance.now();
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      for (const line of block.split("\n")) {
+        if (!line.startsWith("data: ")) continue;
+        const data = JSON.parse(line.slice(6));
+        if (data.token) {
+          events += 1;
+          onToken(data.token);
+          showSpeed(events, (performance.now() - started) / 1000, false);
+        }
+        if (data.finish_reason !== "null") finish = data.finish_reason;
+      }
+    }
+  }
+  return finish;
+}
+
+async function runGeneration(body, onToken) {
+  genkey = "KB" + Math.floor(Math.random() * 1e9);
+  body.genkey = genkey;
+  $("generate-btn").disabled = true;
+  $("stop-btn").disabled = false;
+  $("finish").textContent = "";
+  $("speed").textContent = "…";
+  setMsg("gen-msg", "");
+  try {
+    const finish = await streamGenerate(body, onToken);
+    $("finish").textContent = finish ? "finished: " + finish : "";
+    const perf = await api("GET", "/api/extra/perf");
+    showSpeed(perf.last_token_count, perf.last_eval || 1e-9, true);
+  } catch (e) {
+    setMsg("gen-msg", e.message, true);
+  } finally {
+    genkey = null;
+    $("stop-btn").disabled = true;
+    $("generate-btn").disabled = false;
+  }
+}
+
+async function stopGeneration() {
+  if (!genkey) return;
+  try {
+    await api("POST", "/api/extra/abort", { genkey });
+    setMsg("gen-msg", "Stopped.");
+  } catch (e) {
+    setMsg("gen-msg", e.message, true);
+  }
+}
+
+function generateStory() {
+  const story = $("story");
+  const body = samplerBody();
+  body.prompt = story.value;
+  body.memory = $("memory").value;
+  return runGeneration(body, (token) => {
+    story.value += token;
+    story.scrollTop = story.scrollHeight;
+  });
+}
+
+function appendChat(who, text) {
+  const line = document.createElement("div");
+  const name = document.createElement("span");
+  name.className = "who";
+  name.textContent = who + ": ";
+  const said = document.createElement("span");
+  said.textContent = text;
+  line.append(name, said);
+  $("chat-log").appendChild(line);
+  return said;
+}
+
+function generateChat() {
+  const user = $("user-name").value || "You";
+  const bot = $("bot-name").value || "Bot";
+  const msg = $("chat-input").value.trim();
+  if (msg) {
+    chatHistory.push([user, msg]);
+    appendChat(user, msg);
+    $("chat-input").value = "";
+  }
+  const body = samplerBody();
+  body.memory = $("memory").value;
+  body.prompt = chatHistory.map(([w, t]) => w + ": " + t).join("\n") + "\n" + bot + ":";
+  body.stop_sequence = body.stop_sequence.concat(["\n" + user + ":"]);
+  body.trim_stop = true;
+  const said = appendChat(bot, "");
+  const entry = [bot, ""];
+  chatHistory.push(entry);
+  return runGeneration(body, (token) => {
+    entry[1] += token;
+    said.textContent = entry[1].replace(/^ /, "");
+    $("chat-log").scrollTop = $("chat-log").scrollHeight;
+  });
+}
+
+function setMode(next) {
+  mode = next;
+  $("tab-story").classList.toggle("active", mode === "story");
+  $("tab-chat").classList.toggle("active", mode === "chat");
+  $("story-pane").hidden = mode !== "story";
+  $("chat-pane").hidden = mode !== "chat";
+}
+
+// ---- wiring ----------------------------------------------------------------------------------------
+
+$("api-key").value = localStorage.getItem("kobold_backend_api_key") || "";
+$("api-key").addEventListener("change", async () => {
+  localStorage.setItem("kobold_backend_api_key", $("api-key").value);
+  await refreshStatus();
+  await loadModelList();
+});
+$("max_context_length").addEventListener("input", (e) => { e.target.dataset.touched = "1"; });
+$("model-select").addEventListener("change", loadParams);
+$("load-btn").addEventListener("click", loadModel);
+$("generate-btn").addEventListener("click", () => (mode === "story" ? generateStory() : generateChat()));
+$("stop-btn").addEventListener("click", stopGeneration);
+$("tab-story").addEventListener("click", () => setMode("story"));
+$("tab-chat").addEventListener("click", () => setMode("chat"));
+$("chat-input").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && e.ctrlKey && !genkey) generateChat();
+});
+
+refreshStatus().then(loadModelList);
