@@ -8,7 +8,7 @@ from flask import Blueprint, jsonify
 
 from kobold_backend.server import models as model_files
 from kobold_backend.server.errors import ApiError
-from kobold_backend.server.generation import generation_job
+from kobold_backend.server.generation import RunResult, generation_job
 from kobold_backend.server.openapi import openapi_document
 from kobold_backend.server.queue import Job
 from kobold_backend.server.schemas import ValidationFailed, parse_generate
@@ -28,7 +28,8 @@ def generate() -> Any:
     job = Job(generation_job(state.holder, params, state.config.default_max_length, state.perf),
               genkey=params.genkey)
     state.queue.submit(job)
-    results = job.wait(client_disconnected())
+    # A job aborted while it waited never ran: it answers one empty, "length" result.
+    results = job.wait(client_disconnected()) or [RunResult("", "abort", 0, 0)]
     return jsonify({"results": [r.as_kobold() for r in results]})
 
 
