@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Tuple
+import contextlib
+from typing import TYPE_CHECKING, ContextManager, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -96,10 +97,23 @@ def attention(
     if t > 1 and pos > 0:
         rows = torch.arange(pos, n, device=q.device).view(t, 1)
         mask = torch.arange(n, device=q.device).view(1, n) <= rows
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k, v, attn_mask=mask, is_causal=(t > 1 and pos == 0), scale=scale
-    )
+    with _sdpa_backends(q.device):
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=mask, is_causal=(t > 1 and pos == 0), scale=scale
+        )
     return out.transpose(1, 2)
+
+
+def _sdpa_backends(device: torch.device) -> ContextManager[object]:
+    """Keep SDPA off the cuDNN backend on CUDA: it rebuilds a graph for every new shape (hundreds of
+    milliseconds, once per chat turn length) and costs ~1.6 ms of CPU per call (shared/perf/anchors.md)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # torch < 2.3 has no cuDNN backend to avoid
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def decode_attention(
