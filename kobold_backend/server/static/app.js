@@ -126,7 +126,11 @@ async function loadParams() {
       const label = document.createElement("label");
       label.title = p.tooltip || "";
       if (p.uitype === "Valid Display") {
-        label.textContent = p.label;
+        // United's "%1" is the running sum of the inputs named in check.sum (e.g. layers per device).
+        label.dataset.template = p.label;
+        label.dataset.sumIds = JSON.stringify((p.check && p.check.sum) || []);
+        label.dataset.expect = p.check ? p.check.value : "";
+        label.className = "valid-display";
         form.appendChild(label);
         continue;
       }
@@ -148,9 +152,24 @@ async function loadParams() {
       }
       form.appendChild(label);
     }
+    updateValidDisplays();
   } catch (e) {
     setMsg("load-msg", e.message, true);
   }
+}
+
+function updateValidDisplays() {
+  const values = collectParams();
+  let valid = true;
+  for (const label of $("load-params").querySelectorAll(".valid-display")) {
+    const ids = JSON.parse(label.dataset.sumIds);
+    const sum = ids.reduce((acc, id) => acc + (Number(values[id]) || 0), 0);
+    label.textContent = label.dataset.template.replace("%1", String(sum));
+    const ok = label.dataset.expect === "" || sum === Number(label.dataset.expect);
+    label.classList.toggle("error", !ok);
+    valid = valid && ok;
+  }
+  $("load-btn").disabled = !valid;
 }
 
 function collectParams() {
@@ -338,6 +357,7 @@ $("api-key").addEventListener("change", async () => {
 });
 $("max_context_length").addEventListener("input", (e) => { e.target.dataset.touched = "1"; });
 $("model-select").addEventListener("change", loadParams);
+$("load-params").addEventListener("input", updateValidDisplays);
 $("load-btn").addEventListener("click", loadModel);
 $("generate-btn").addEventListener("click", () => (mode === "story" ? generateStory() : generateChat()));
 $("stop-btn").addEventListener("click", stopGeneration);

@@ -1,0 +1,132 @@
+"""The web page in headless Chromium (selenium): load the demo model, stream a story, stop it, chat; screenshots
+go to tests/_artifacts/."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from kobold_backend.server import ServerConfig, create_app
+from kobold_backend.server.engine_holder import EngineHolder
+from tests.server_helpers import live_server, slow_loader
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+ARTIFACTS = Path(__file__).resolve().parent / "_artifacts"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1280,900"]
+
+pytestmark = pytest.mark.skipif(
+    not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+    reason="needs /usr/bin/chromium and /usr/bin/chromedriver (apt-get install -y chromium chromium-driver)",
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    cache = tmp_path_factory.mktemp("xdg_cache")
+    models = tmp_path_factory.mktemp("models")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(cache))
+        # Every forward pass takes 30 ms longer, so that a generation lasts long enough to be stopped.
+        holder = EngineHolder(loader=slow_loader(0.03), load_kwargs={"device": "cpu"})
+        app = create_app(ServerConfig(models_dir=models), holder)
+        with live_server(app) as srv:
+            yield srv
+
+
+@pytest.fixture(scope="module")
+def browser() -> Any:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in FLAGS:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+def wait_until(predicate: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("the page did not reach the expected state")
+        time.sleep(0.1)
+
+
+def shot(driver: Any, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    driver.save_screenshot(str(ARTIFACTS / f"{name}.png"))
+
+
+def test_load_demo_stream_and_stop(server: Any, browser: Any) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select
+
+    by_id = lambda name: browser.find_element(By.ID, name)  # noqa: E731
+    browser.get(server.url + "/")
+    wait_until(lambda: "no model loaded" in by_id("status").text)
+    wait_until(lambda: len(Select(by_id("model-select")).options) >= 1)
+    Select(by_id("model-select")).select_by_value("__demo__")
+    wait_until(lambda: "max_ctx" in [e.get_attribute("data-param-id")
+                                     for e in browser.find_elements(By.CSS_SELECTOR, "[data-param-id]")])
+    ctx = browser.find_element(By.CSS_SELECTOR, "input[type=number][data-param-id=max_ctx]")
+    ctx.clear()
+    ctx.send_keys("512")
+    by_id("load-btn").click()
+    wait_until(lambda: by_id("status").text.startswith("model:"), timeout=240)
+    assert "context 512 tokens" in by_id("status").text
+    assert by_id("demo-badge").is_displayed()
+    assert "random weights" in by_id("demo-badge").text
+    shot(browser, "1-demo-loaded")
+
+    for name, value in (("max_length", "300"), ("temperature", "0.8"), ("sampler_seed", "11")):
+        field = by_id(name)
+        field.clear()
+        field.send_keys(value)
+    story = by_id("story")
+    story.send_keys("Once upon a time")
+    by_id("generate-btn").click()
+    wait_until(lambda: len(story.get_property("value")) > len("Once upon a time") + 20, timeout=30)
+    assert by_id("stop-btn").is_enabled()
+    assert not by_id("generate-btn").is_enabled()
+    during = len(story.get_property("value"))
+    time.sleep(0.3)
+    assert len(story.get_property("value")) > during  # still streaming
+    assert "tokens/s" in by_id("speed").text
+    shot(browser, "2-streaming")
+
+    by_id("stop-btn").click()
+    wait_until(lambda: by_id("generate-btn").is_enabled(), timeout=10)
+    stopped_at = story.get_property("value")
+    time.sleep(0.5)
+    assert story.get_property("value") == stopped_at
+    assert by_id("finish").text == "finished: length"
+    assert "Stopped" in by_id("gen-msg").text
+    perf = requests.get(server.url + "/api/extra/perf", timeout=10).json()
+    assert 0 < perf["last_token_count"] < 300 and perf["idle"] == 1
+    assert "tokens/s" in by_id("speed").text and "…" not in by_id("speed").text
+    shot(browser, "3-stopped")
+
+    by_id("tab-chat").click()
+    length = by_id("max_length")
+    length.clear()
+    length.send_keys("6")
+    by_id("chat-input").send_keys("Hello bot")
+    by_id("chat-input").send_keys(Keys.CONTROL, Keys.ENTER)
+    wait_until(lambda: by_id("generate-btn").is_enabled() and len(
+        browser.find_elements(By.CSS_SELECTOR, "#chat-log > div")) == 2, timeout=30)
+    lines = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#chat-log > div")]
+    assert lines[0] == "You: Hello bot" and lines[1].startswith("Bot:")
+    shot(browser, "4-chat")
