@@ -28,6 +28,9 @@ def _op(summary: str, responses: Dict[str, Any], body: Optional[Dict[str, Any]] 
     return op
 
 
+# One server-sent event: `event: message` and one `data:` line holding {"token", "finish_reason"} as JSON.
+SSE_EVENT = {"type": "object", "required": ["event", "data"],
+             "properties": {"event": {"type": "string", "enum": ["message"]}, "data": {"type": "string"}}}
 ERR = {
     "401": _json(_ref("Unauthorized"), "API key missing or wrong (only with --api-key)"),
     "503": _json(_ref("BasicError"), "Busy: the queue is full (type service_unavailable)"),
@@ -85,7 +88,7 @@ def openapi_document() -> Dict[str, Any]:
         f"{extra}/generate/stream": {"post": _op(
             "Generate with server-sent events", dict(GEN_ERR, **{"200": {
                 "description": "`event: message` + `data: {\"token\", \"finish_reason\"}` per event",
-                "content": {"text/event-stream": {"schema": {"type": "string"}}}}}),
+                "content": {"text/event-stream": {"schema": SSE_EVENT}}}}),
             _ref("GenerationInput"), ["generate"])},
         f"{extra}/generate/check": {
             "get": _op("Partial text of a running generation started without genkey",
