@@ -94,3 +94,25 @@ def test_engine_dequantizes_every_layer_like_the_packer(name: str, checkpoints: 
             # and the product, which gathers the activation through perm
             x = torch.randn(3, k, generator=torch.Generator().manual_seed(i))
             torch.testing.assert_close(ops.gptq_matmul(x, w), x @ packed.dequantized.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPTQ_NAMES)
+def test_gpu_dequantize_and_matmul(name: str, checkpoints: CheckpointFactory) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    built = checkpoints.get(name)
+    lm = load_model(built.path, device="cuda", dtype="float16")
+    for i, layer in enumerate(lm.model.layers):
+        for linear in LINEARS:
+            packed = built.packed[f"model.layers.{i}.{linear}"]
+            w = getattr(layer, linear.split(".")[1])
+            assert w.qweight.device.type == "cuda"
+            rows = ops.gptq_dequantize(w).float().cpu()
+            original = rows if w.perm is None else torch.empty_like(rows).index_copy_(0, w.perm.cpu(), rows)
+            # fp16 products of exact (q - z) and fp16 scales: one half-precision rounding at most
+            torch.testing.assert_close(original, packed.dequantized.t(), rtol=1e-3, atol=1e-4)
+            x = torch.randn(5, w.in_features, generator=torch.Generator().manual_seed(i))
+            y = ops.gptq_matmul(x.half().cuda(), w).float().cpu()
+            ref = x.half().float() @ packed.dequantized.t()
+            assert (y - ref).norm() / ref.norm() < 2e-3

@@ -199,3 +199,34 @@ def test_load_options_match_transformers(
     logits = lm.model.forward(ids, lm.model.new_cache(max_seq_len=64), last_only=False)
     with torch.no_grad():
         assert row_rel_err(logits, ref_model(ids).logits) < LOGITS_RTOL
+
+
+GPU_RTOL = {"float16": 5e-3, "bfloat16": 3e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", ALL)
+def test_gpu_logits_match_transformers(name: str, dtype: str, checkpoints: CheckpointFactory, hf,
+                                       record_property) -> None:
+    """On the GPU in half precision: prefill logits, then decode-step logits along transformers' greedy path
+    (teacher-forced, so one rounding-induced argmax flip cannot derail the comparison)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    built = checkpoints.get(name)
+    lm = load_model(built.path, device="cuda", dtype=dtype)
+    ref_model = hf(name)
+    prompt = prompt_ids(built, 24, seed=10)
+    cache = lm.model.new_cache(max_seq_len=64)
+    before = [t.data_ptr() for t in cache.k + cache.v]
+    ours = lm.model.forward(prompt.cuda(), cache, last_only=False)
+    ref, past = hf_step(ref_model, prompt, None)
+    errs = [row_rel_err(ours.cpu(), ref)]
+    for _ in range(16):
+        token = ref[:, -1:].argmax(-1)
+        ours = lm.model.forward(token.cuda(), cache)
+        ref, past = hf_step(ref_model, token, past)
+        errs.append(row_rel_err(ours.cpu(), ref[:, -1:]))
+    record_property("max_rel_err", max(errs))
+    assert ours.device.type == "cuda" and [t.data_ptr() for t in cache.k + cache.v] == before
+    assert max(errs) < GPU_RTOL[dtype], f"{name} {dtype}: max relative logit error {max(errs):.3e}"
