@@ -191,6 +191,11 @@ class Sampler:
             6: self._penalty.active,
         }[sampler_id]
 
+    @property
+    def mirostat_mu(self) -> float:
+        """The current mirostat target surprise mu (reads it from the device; for diagnostics and tests)."""
+        return float(self._mu.item())
+
     def begin(self, context_ids: List[int]) -> None:
         """Start a request on this prompt; resets penalty positions, DRY history and mirostat mu."""
         self.context = [int(t) for t in context_ids]

@@ -85,6 +85,10 @@ class Candidates:
         """Softmax over the candidates (removed tokens get 0)."""
         return torch.softmax(self.vals, dim=-1)
 
+    def probs64(self) -> torch.Tensor:
+        """Softmax in float64, for cumulative sums compared against thresholds."""
+        return torch.softmax(self.vals.double(), dim=-1)
+
     def to_vocab(self, vocab_size: int) -> torch.Tensor:
         """The logits back in vocabulary order."""
         if self.ids is None:

@@ -100,15 +100,12 @@ class DryPenalty:
         """How many of the newest tokens DRY looks at."""
         return length if self.last_n <= 0 else min(length, self.last_n)
 
-    def _slot(self, token: int) -> int:
-        return token if 0 <= token < self.vocab_size else self.vocab_size
-
     def _reserve(self, length: int, keep: int) -> None:
         """Make room for `length` positions, keeping the first `keep` of the current buffers."""
         if length <= self._capacity:
             return
         capacity = max(1024, 2 * length)
-        hist = torch.full((capacity,), self.vocab_size, dtype=torch.long, device=self.device)
+        hist = torch.zeros(capacity, dtype=torch.long, device=self.device)
         match = torch.zeros(capacity, dtype=torch.long, device=self.device)
         hist[:keep] = self._hist[:keep]
         match[:keep] = self._match[:keep]
@@ -150,7 +147,7 @@ class DryPenalty:
         self._reserve(self._length, 0)
         if self._length:
             self._hist[: self._length] = torch.tensor(
-                [self._slot(t) for t in context], dtype=torch.long, device=self.device
+                context, dtype=torch.long, device=self.device
             )
         start = max(0, self._length - self.window(self._length) - 1)
         if self._length - start >= 2:
@@ -169,7 +166,7 @@ class DryPenalty:
         if not self.active:
             return
         self._reserve(length, length - 1)
-        token = self._slot(context[-1])
+        token = context[-1]
         self._hist[length - 1] = token
         lo = max(0, length - self.window(length) - 1)
         hi = length - 1
@@ -196,7 +193,9 @@ class DryPenalty:
         matches = torch.minimum(self._match[start : length - 1], self._ramp[: w - 1]).clamp_(max=rep_limit)
         value = torch.where(matches >= self.allowed, matches + 1, torch.zeros_like(matches))
         longest = torch.zeros(self.vocab_size + 1, dtype=torch.long, device=self.device)
-        longest.scatter_reduce_(0, self._hist[start + 1 : length], value, "amax")
+        followers = self._hist[start + 1 : length]
+        followers = torch.where((followers >= 0) & (followers < self.vocab_size), followers, self.vocab_size)
+        longest.scatter_reduce_(0, followers, value, "amax")
         longest = longest[: self.vocab_size]
         exponent = longest - 1 - self.allowed
         if self.max_exponent > 0:

@@ -1,7 +1,8 @@
 """Truncation samplers of KoboldAI United (top-k, top-a, top-p, tail-free, typical) and KoboldCpp's min-p.
 
 Each narrows a Candidates set in place, following `modeling/warpers.py` (torch path) and always keeping
-at least the most likely token (United itself can remove everything at extreme values).
+at least the most likely token (United itself can remove everything at extreme values). Cumulative
+sums run in float64 so that cuts near p = 1 do not depend on float32 rounding of the tail.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def top_p(c: Candidates, p: float) -> None:
     """
     n = c.vals.numel()
     if c.host and not c.sorted and n > PARTIAL_SORT_MIN:
-        probs = c.probs()
+        probs = c.probs64()
         k = PARTIAL_SORT_START
         while True:
             top_vals, positions = torch.topk(c.vals, min(k, n))
@@ -54,7 +55,7 @@ def top_p(c: Candidates, p: float) -> None:
         c.select(positions[keep], now_sorted=True)
         return
     c.sort()
-    probs = c.probs()
+    probs = c.probs64()
     before = probs.cumsum(0) - probs
     remove = before >= p
     remove[0] = False
@@ -77,7 +78,7 @@ def tail_free(c: Candidates, z: float) -> None:
     token, as United's NaN comparison does.
     """
     c.sort()
-    probs = c.probs()
+    probs = c.probs64()
     n = probs.numel()
     pad = min(2, c.dropped)
     if n + pad < 3:
@@ -95,7 +96,7 @@ def tail_free(c: Candidates, z: float) -> None:
 
 def typical(c: Candidates, tau: float) -> None:
     """Locally typical sampling: sort by |-ln p - H|, keep the shortest prefix whose mass reaches tau."""
-    probs = c.probs()
+    probs = c.probs64()
     log_probs = probs.log()
     neg_entropy = torch.nansum(probs * log_probs)
     deviation = (neg_entropy - log_probs).abs()
