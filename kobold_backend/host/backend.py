@@ -1,0 +1,518 @@
+"""The KoboldAI United backend: the `model_backend` class United instantiates once from
+modeling/inference_models/kobold_backend/class.py, built over United's InferenceModel when it is importable.
+
+Generation runs through the engine's Generator; this module only translates United's protocol
+(parameters, settings files, GenerationSettings, hooks, stoppers, batches, GenerationResult).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from kobold_backend.host.settings import PLUGIN_FOLDER, read_settings, write_settings
+
+model_backend_name = "kobold_backend"
+model_backend_type = "GPTQ"
+
+log = logging.getLogger(__name__)
+
+# United's koboldai_settings defaults, used when neither GenerationSettings nor koboldai_vars say otherwise.
+UNITED_DEFAULTS: Dict[str, Any] = {
+    "temp": 0.5, "top_p": 0.9, "top_k": 0, "tfs": 1.0, "typical": 1.0, "top_a": 0.0,
+    "rep_pen": 1.1, "rep_pen_slope": 1.0, "rep_pen_range": 2048, "sampler_order": [6, 0, 1, 2, 3, 4, 5],
+}
+
+
+def engine_problem() -> Optional[str]:
+    """Why the engine cannot run in this interpreter (None when it can)."""
+    try:
+        import torch
+
+        from kobold_backend.engine import generator, loader  # noqa: F401
+    except Exception as exc:  # any import failure disables the backend, as United expects
+        return f"the engine cannot be imported here ({type(exc).__name__}: {exc})"
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    if (major, minor) < (2, 1):
+        return f"kobold_backend needs torch 2.1 or newer, found {torch.__version__}"
+    return None
+
+
+def resolve_model_path(model_name: Optional[str], model_path: Optional[str]) -> Optional[Path]:
+    """United's rule: the given path if it exists, else models/<name with / -> _>, else the name itself."""
+    candidates = []
+    if model_path:
+        candidates.append(Path(model_path))
+    if model_name:
+        candidates.append(Path("models") / model_name.replace("/", "_"))
+        candidates.append(Path(model_name))
+    for path in candidates:
+        if path.is_dir():
+            return path
+    return None
+
+
+def _safetensors_names(path: Path) -> List[str]:
+    """Tensor names from a safetensors header (8-byte length + JSON), without reading any tensor data."""
+    import json
+    import struct
+
+    with open(path, "rb") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        if size > 100_000_000:
+            raise ValueError("implausible safetensors header size")
+        header = json.loads(fh.read(size))
+    return [name for name in header if name != "__metadata__"]
+
+
+def check_model_folder(path: Path) -> Optional[str]:
+    """Why this folder is not a model this engine can run (None when it is): config.json, tokenizer and
+    safetensors headers only, so United's folder browser stays fast."""
+    from kobold_backend.engine.config import ModelConfig
+    from kobold_backend.engine.weights import safetensors_files
+    from kobold_backend.errors import ModelFormatError
+
+    try:
+        config = ModelConfig.from_dir(path)
+        files = safetensors_files(path)
+        names = set()
+        for file in files:
+            names.update(_safetensors_names(file))
+    except (ModelFormatError, OSError, ValueError) as exc:
+        return str(exc)
+    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()):
+        return f"{path} has no tokenizer.json or tokenizer.model"
+    if "model.embed_tokens.weight" not in names:
+        return f"{path} has no model.embed_tokens.weight tensor"
+    q = "model.layers.0.self_attn.q_proj"
+    if f"{q}.qweight" in names and config.quant is None:
+        return f"{path} holds GPTQ tensors but no quantization config"
+    if f"{q}.weight" not in names and f"{q}.qweight" not in names:
+        return f"{path} has no {q} weights"
+    return None
+
+
+class StandaloneCapabilities:
+    """United's ModelCapabilities fields, for use outside United."""
+
+    def __init__(self, **values: bool) -> None:
+        self.embedding_manipulation = False
+        self.post_token_hooks = False
+        self.stopper_hooks = False
+        self.post_token_probs = False
+        self.api_host = True
+        self.uses_tpu = False
+        self.__dict__.update(values)
+
+
+class StandaloneInferenceModel:
+    """The parts of United's InferenceModel this backend relies on, used when United is not importable."""
+
+    def __init__(self) -> None:
+        self.abort = False
+        self.gen_state: Dict[str, Any] = {}
+        self.post_token_hooks: List[Callable[..., Any]] = []
+        self.stopper_hooks: List[Callable[..., Any]] = []
+        self.logits_processors: List[Any] = []
+        self.tokenizer: Any = None
+        self.capabilties = StandaloneCapabilities()
+        self.model_name = "Not Defined"
+
+    def load(self, save_model: bool = False, initial_load: bool = False) -> None:
+        self._pre_load()
+        self._load(save_model=save_model, initial_load=initial_load)
+        self._post_load()
+        self._save_settings()
+
+    def _pre_load(self) -> None:
+        """Called before _load()."""
+
+    def _post_load(self) -> None:
+        """Called after _load()."""
+
+    def _save_settings(self) -> None:
+        """Called after _post_load()."""
+
+    def _load(self, save_model: bool, initial_load: bool) -> None:
+        raise NotImplementedError
+
+    def _post_token_gen(self, input_ids: Any) -> None:
+        for hook in self.post_token_hooks:
+            hook(self, input_ids)
+
+    def abort_generation(self, abort: bool = True) -> None:
+        self.abort = abort
+
+
+class StandaloneResult:
+    """United's GenerationResult for is_whole_generation backends, used when United is not importable."""
+
+    def __init__(self, model: Any, out_batches: Any, prompt: Any, is_whole_generation: bool,
+                 output_includes_prompt: bool = False, single_line: bool = False) -> None:
+        import numpy as np
+
+        self.encoded = out_batches[:, len(prompt):] if output_includes_prompt else out_batches
+        self.prompt = prompt
+        self.is_whole_generation = is_whole_generation
+        self.decoded = [model.tokenizer.decode(row) for row in self.encoded]
+        if single_line:
+            self.decoded = [text.split("\n", 1)[0] for text in self.decoded]
+            rows = model.tokenizer(self.decoded).input_ids
+            width = max((len(r) for r in rows), default=0)
+            pad = model.tokenizer.pad_token_id or 0
+            self.encoded = np.array([r + [pad] * (width - len(r)) for r in rows], dtype=np.int64)
+
+
+class _Row:
+    """One batch row being generated in lockstep with the others."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.tokens: List[int] = []
+        self.done = False
+        self.pending: Any = None
+
+    def next_event(self) -> Any:
+        event, self.pending = self.pending, None
+        return event if event is not None else next(self.stream)
+
+    def finish(self) -> None:
+        if not self.done:
+            self.done = True
+            self.stream.close()
+
+
+class KoboldBackendMixin:
+    """United's backend contract over the engine; mixed in front of United's InferenceModel."""
+
+    _host: Optional[ModuleType] = None
+    _result_class: Any = StandaloneResult
+
+    def __init__(self) -> None:
+        self._abort_event = threading.Event()
+        super().__init__()  # type: ignore[call-arg]
+        self.disable_reason = engine_problem()
+        self.disable = self.disable_reason is not None
+        if self.disable:
+            log.warning("kobold_backend is disabled: %s", self.disable_reason)
+        self.settings_dir: Optional[Path] = None
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.loaded: Any = None
+        self.generator: Any = None
+        self.model_config: Any = None
+        self.model_name = ""
+        self.path: Optional[str] = None
+        self.input_values: Optional[Dict[str, Any]] = None
+        self.load_values: Dict[str, Any] = {}
+        self.bracket_tokens: List[int] = []
+        self._setup_united_hooks()
+
+    @property
+    def abort(self) -> bool:  # type: ignore[override]
+        return self._abort_event.is_set()
+
+    @abort.setter
+    def abort(self, value: bool) -> None:
+        if value:
+            self._abort_event.set()
+        else:
+            self._abort_event.clear()
+
+    def _setup_united_hooks(self) -> None:
+        """United's streaming hook and stoppers, and the capabilities that enable them (as ExLlama does)."""
+        host = self._host
+        if host is None:
+            self.capabilties = StandaloneCapabilities(post_token_hooks=True, stopper_hooks=True)
+            return
+        self.capabilties = host.ModelCapabilities(
+            embedding_manipulation=False, post_token_hooks=True, stopper_hooks=True, post_token_probs=False
+        )
+        try:
+            from modeling.post_token_hooks import PostTokenHooks
+            from modeling.stoppers import Stoppers
+        except ImportError as exc:
+            log.warning("United's hooks are not importable (%s); streaming and stop sequences are off", exc)
+            return
+        self.post_token_hooks = [PostTokenHooks.stream_tokens]
+        self.stopper_hooks = [
+            Stoppers.core_stopper,
+            Stoppers.dynamic_wi_scanner,
+            Stoppers.singleline_stopper,
+            Stoppers.chat_mode_stopper,
+            Stoppers.stop_sequence_stopper,
+        ]
+
+    @staticmethod
+    def _vars() -> Any:
+        """United's koboldai_vars (None outside United)."""
+        return getattr(sys.modules.get("utils"), "koboldai_vars", None)
+
+    # ------------------------------------------------------------------ discovery and parameters
+
+    def is_valid(self, model_name: str, model_path: Optional[str], menu_path: str) -> bool:
+        if self.disable:
+            return False
+        path = resolve_model_path(model_name, model_path)
+        if path is None:
+            return False
+        problem = check_model_folder(path)
+        if problem is not None:
+            log.debug("kobold_backend cannot run %s: %s", path, problem)
+            return False
+        return True
+
+    def _saved_values(self, model_name: Optional[str], model_path: Optional[str]) -> Dict[str, Any]:
+        for key in (model_name, model_path):
+            if key:
+                saved = read_settings(key, self.settings_dir)
+                if saved:
+                    return saved
+        return {}
+
+    def get_requested_parameters(
+        self, model_name: str, model_path: Optional[str], menu_path: str, parameters: Optional[Dict[str, Any]] = None
+    ) -> List[Dict[str, Any]]:
+        from kobold_backend.host.parameters import requested_parameters
+
+        path = resolve_model_path(model_name, model_path)
+        values = self._saved_values(model_name, model_path)
+        values.update(parameters or {})
+        return requested_parameters(path, values)
+
+    def set_input_parameters(self, parameters: Dict[str, Any]) -> None:
+        """Keep the submitted values for _load (United's base would setattr every key, including "model")."""
+        self.input_values = dict(parameters)
+        self.model_name = str(
+            parameters.get("custom_model_name") or parameters.get("id") or parameters.get("name")
+            or parameters.get("model") or ""
+        )
+        self.path = parameters.get("path") or None
+
+    # ------------------------------------------------------------------ loading
+
+    def _load(self, save_model: bool, initial_load: bool) -> None:
+        from kobold_backend.engine.config import ModelConfig
+        from kobold_backend.engine.generator import Generator
+        from kobold_backend.engine.loader import load_model
+        from kobold_backend.errors import ModelFormatError
+        from kobold_backend.host.parameters import load_options
+        from kobold_backend.host.tokenizer_adapter import UnitedTokenizer
+
+        if self.disable:
+            raise RuntimeError(f"kobold_backend is disabled: {self.disable_reason}")
+        self._release()
+        values = self.input_values
+        if values is None:
+            # PUT /api/v1/model loads without set_input_parameters: United has put the name in koboldai_vars.
+            kv = self._vars()
+            self.model_name = str(getattr(kv, "model", "") or self.model_name)
+            self.path = None
+            values = self._saved_values(self.model_name, None)
+        path = resolve_model_path(self.model_name, self.path)
+        if path is None:
+            raise ModelFormatError(f"No model folder found for {self.model_name or self.path!r}.")
+        self.model_config = ModelConfig.from_dir(path)
+        options = load_options(values, self.model_config)
+        self.load_values = options.values
+        self.loaded = load_model(path, progress=self._progress, **options.load_kwargs())
+        self.model = self.loaded.model
+        self.generator = Generator(self.loaded.model, self.loaded.tokenizer)
+        self.tokenizer = UnitedTokenizer(self.loaded.tokenizer)
+        self.path = str(path)
+        if not self.model_name or self.model_name == "Not Defined":
+            self.model_name = self.loaded.name
+
+    def _progress(self, done: int, total: int, message: str) -> None:
+        """United's load progress bar reads koboldai_vars.total_layers / loaded_layers."""
+        kv = self._vars()
+        if kv is None:
+            return
+        if hasattr(kv, "total_layers"):
+            kv.total_layers = total
+        if hasattr(kv, "loaded_layers"):
+            kv.loaded_layers = done
+        if hasattr(kv, "status_message"):
+            kv.status_message = "" if done >= total else f"Loading {message}"
+
+    def _post_load(self) -> None:
+        self.tokenizer._koboldai_header = []
+        self.bracket_tokens = self.tokenizer.token_ids_containing("[]")
+
+    def _save_settings(self) -> None:
+        if self.model_name and self.load_values:
+            write_settings(self.model_name, self.load_values, self.settings_dir)
+
+    def _release(self) -> None:
+        """Free the model, its caches and the GPU memory they held."""
+        loaded = self.loaded
+        self.loaded = self.generator = self.model = self.tokenizer = None
+        if loaded is not None:
+            loaded.unload()
+        gc.collect()
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def unload(self) -> None:
+        self._release()
+        self.input_values = None
+        self.path = None
+
+    # ------------------------------------------------------------------ generation
+
+    def _sampler_settings(self, gen_settings: Any, banned: Sequence[int]) -> Any:
+        from kobold_backend.engine.sampling import SamplerSettings
+
+        def get(name: str) -> Any:
+            value = getattr(gen_settings, name, None) if gen_settings is not None else None
+            return UNITED_DEFAULTS[name] if value is None else value
+
+        return SamplerSettings(
+            temperature=float(get("temp")),
+            top_k=int(get("top_k")),
+            top_p=float(get("top_p")),
+            top_a=float(get("top_a")),
+            tfs=float(get("tfs")),
+            typical=float(get("typical")),
+            rep_pen=float(get("rep_pen")),
+            rep_pen_range=int(get("rep_pen_range")),
+            rep_pen_slope=float(get("rep_pen_slope")),
+            rep_pen_mode="kobold_united",
+            sampler_order=tuple(int(i) for i in get("sampler_order")),
+            banned_token_ids=tuple(sorted(set(banned))),
+        )
+
+    def _banned_ids(self) -> Tuple[List[int], bool]:
+        """(ids never sampled, whether EOS is banned): BOS always; EOS and every token with "[" or "]"
+        when United's use_default_badwordsids is on (EOS stays allowed in "until EOS" mode)."""
+        tok = self.tokenizer
+        banned = [tok.bos_token_id] if tok.bos_token_id is not None else []
+        kv = self._vars()
+        if kv is not None and getattr(kv, "use_default_badwordsids", False):
+            banned += self.bracket_tokens
+            if not self.gen_state.get("allow_eos"):
+                return banned, True
+        return banned, False
+
+    def _fit(self, prompt: List[int], max_new: int) -> Tuple[List[int], int]:
+        """Prepend BOS, then make prompt + new tokens fit the KV cache: an unbounded request (United sends
+        1e7 for "forever" modes) generates until the cache is full; otherwise the prompt's oldest tokens go."""
+        size = self.generator.max_context
+        bos = self.tokenizer.bos_token_id
+        head = [bos] if bos is not None and (not prompt or prompt[0] != bos) else []
+        prompt = head + prompt
+        if max_new >= size:
+            max_new = max(1, size - len(prompt))
+        keep = size - max_new
+        if len(prompt) > keep:
+            log.warning("prompt of %d tokens + %d new exceeds the %d-token context; dropping the oldest",
+                        len(prompt), max_new, size)
+            start = 1 if bos is not None and prompt[0] == bos else 0
+            prompt = prompt[:start] + prompt[len(prompt) - (keep - start):]
+        return prompt, max_new
+
+    def _raw_generate(
+        self,
+        prompt_tokens: Any,
+        max_new: int,
+        gen_settings: Any = None,
+        single_line: bool = False,
+        batch_count: int = 1,
+        seed: Optional[int] = None,
+        **kwargs: Any,
+    ) -> Any:
+        import numpy as np
+        import torch
+
+        from kobold_backend.engine.generator import GenerationRequest, Generator
+
+        if self.generator is None:
+            raise RuntimeError("kobold_backend has no model loaded")
+        if int(max_new) < 1:
+            return self._result_class(model=self, out_batches=np.zeros((max(1, int(batch_count)), 0), np.int64),
+                                      prompt=prompt_tokens, is_whole_generation=True)
+        original = [int(t) for t in np.asarray(prompt_tokens).reshape(-1)]
+        prompt, budget = self._fit(list(original), int(max_new))
+        banned, ban_eos = self._banned_ids()
+        settings = self._sampler_settings(gen_settings, banned)
+        eos = set(self.tokenizer.eos_token_ids)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.abort = False
+        batch = max(1, int(batch_count))
+
+        def request(row: int) -> Any:
+            return GenerationRequest(
+                prompt_ids=list(prompt), max_new_tokens=budget, settings=settings, ban_eos=ban_eos,
+                seed=None if seed is None else int(seed) + row, abort=self._abort_event,
+                passthrough=kwargs.get("passthrough"),
+            )
+
+        rows = [_Row(self.generator.stream(request(0)))]
+        try:
+            rows[0].pending = next(rows[0].stream)  # row 0 has now prefilled the prompt into the main cache
+            if batch > 1:
+                rows += self._extra_rows(batch, request, Generator, len(prompt) + budget)
+            steps = 0
+            while True:
+                for row in rows:
+                    if row.done:
+                        continue
+                    event = row.next_event()
+                    if event.token_id is None or (event.token_id in eos and event.finish_reason is None):
+                        row.finish()
+                        continue
+                    row.tokens.append(event.token_id)
+                    if single_line and "\n" in self.tokenizer.decode(event.token_id):
+                        row.finish()
+                if all(len(row.tokens) <= steps for row in rows):
+                    break
+                steps += 1
+                seq = torch.tensor(
+                    [original + row.tokens + [pad] * (steps - len(row.tokens)) for row in rows], dtype=torch.long
+                )
+                self._post_token_gen(seq)
+                if self.abort or any(stopper(self, seq) for stopper in self.stopper_hooks):
+                    break
+                if all(row.done for row in rows):
+                    break
+        finally:
+            for row in rows:
+                row.finish()
+            self.abort = False
+        width = max(len(row.tokens) for row in rows)
+        out = np.array([row.tokens + [pad] * (width - len(row.tokens)) for row in rows], dtype=np.int64)
+        out = out.reshape(len(rows), width)
+        return self._result_class(
+            model=self, out_batches=out, prompt=prompt_tokens, is_whole_generation=True, single_line=single_line
+        )
+
+    def _extra_rows(self, batch: int, request: Callable[[int], Any], generator_cls: Any, need: int) -> List[_Row]:
+        """Rows 1..batch-1, each on its own cache started from a copy of row 0's prefilled prompt."""
+        main = self.generator
+        rows = []
+        for index in range(1, batch):
+            cache = main.model.new_cache(max_seq_len=min(need, main.max_context))
+            cache.copy_from(main.cache, length=min(main.cache.seq_len, cache.max_seq_len))
+            rows.append(_Row(generator_cls(main.model, main.tokenizer, cache=cache, use_graphs=False)
+                             .stream(request(index))))
+        return rows
+
+
+def make_model_backend(host: Optional[ModuleType] = None) -> type:
+    """The model_backend class: over United's InferenceModel when `host` is United's
+    modeling.inference_model module, else over StandaloneInferenceModel."""
+    base = host.InferenceModel if host is not None else StandaloneInferenceModel
+    result = host.GenerationResult if host is not None else StandaloneResult
+    return type("model_backend", (KoboldBackendMixin, base), {
+        "__module__": __name__,
+        "__doc__": f"KoboldAI United backend running Llama-family models on kobold_backend ({PLUGIN_FOLDER}).",
+        "_host": host,
+        "_result_class": result,
+    })
