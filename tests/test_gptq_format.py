@@ -73,7 +73,7 @@ def test_engine_dequantizes_every_layer_like_the_packer(name: str, checkpoints: 
     for i, layer in enumerate(lm.model.layers):
         for linear in LINEARS:
             packed = built.packed[f"model.layers.{i}.{linear}"]
-            w = getattr(layer, linear.split(".")[1])
+            w = layer.weight(linear.split(".")[1])
             assert isinstance(w, GPTQWeight)
             n, k = packed.dequantized.shape
             assert (w.in_features, w.out_features) == (k, n)
@@ -106,7 +106,7 @@ def test_gpu_dequantize_and_matmul(name: str, checkpoints: CheckpointFactory) ->
     for i, layer in enumerate(lm.model.layers):
         for linear in LINEARS:
             packed = built.packed[f"model.layers.{i}.{linear}"]
-            w = getattr(layer, linear.split(".")[1])
+            w = layer.weight(linear.split(".")[1])
             assert w.qweight.device.type == "cuda"
             rows = ops.gptq_dequantize(w).float().cpu()
             original = rows if w.perm is None else torch.empty_like(rows).index_copy_(0, w.perm.cpu(), rows)

@@ -158,12 +158,14 @@ def _build(
         dt = _dtype_for(dev, dtype)
         p = f"model.layers.{i}"
         projections = {name.split(".")[1]: linear(f"{p}.{name}", k, n, dev, dt) for name, (k, n) in shapes.items()}
-        layers.append(Layer(
+        layer = Layer(
             input_norm=dense(f"{p}.input_layernorm.weight", (h,), dev, dt),
             post_norm=dense(f"{p}.post_attention_layernorm.weight", (h,), dev, dt),
             device=dev,
             **projections,
-        ))
+        )
+        layer.fuse()
+        layers.append(layer)
         tick(f"layer {i + 1}/{config.num_layers}")
     head_dt = _dtype_for(main, dtype)
     norm = dense("model.norm.weight", (h,), main, head_dt)

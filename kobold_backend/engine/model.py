@@ -7,14 +7,15 @@ after each layer and add low-rank deltas to the projections.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, List, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from kobold_backend import ops
 from kobold_backend.engine.cache import KVCache
 from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.fuse import concat_outputs
 from kobold_backend.engine.gptq import GPTQWeight
 
 Weight = Union[torch.Tensor, GPTQWeight]
@@ -29,22 +30,61 @@ def project(x: torch.Tensor, w: Weight) -> torch.Tensor:
     return ops.linear(x, w)
 
 
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
+
+
+def _out_features(w: Weight) -> int:
+    return w.out_features if isinstance(w, GPTQWeight) else int(w.shape[0])
+
+
 @dataclass
 class Layer:
     """Weights of one decoder block, all on `device`."""
 
     input_norm: torch.Tensor
-    q_proj: Weight
-    k_proj: Weight
-    v_proj: Weight
+    q_proj: Optional[Weight]
+    k_proj: Optional[Weight]
+    v_proj: Optional[Weight]
     o_proj: Weight
     post_norm: torch.Tensor
-    gate_proj: Weight
-    up_proj: Weight
+    gate_proj: Optional[Weight]
+    up_proj: Optional[Weight]
     down_proj: Weight
     device: torch.device
+    qkv_proj: Optional[Weight] = None
+    gate_up_proj: Optional[Weight] = None
+    out_features: Dict[str, int] = field(default_factory=dict)
 
-    PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   "qkv_proj", "gate_up_proj")
+
+    def weight(self, name: str) -> Weight:
+        """The weight of one projection (a copy of its columns of the fused weight when it was fused)."""
+        own = getattr(self, name)
+        if own is not None:
+            return own
+        fused_name, names = ("qkv_proj", QKV) if name in QKV else ("gate_up_proj", GATE_UP)
+        fused = getattr(self, fused_name)
+        sizes = [self.out_features[n] for n in names]
+        start = sum(sizes[: names.index(name)])
+        end = start + sizes[names.index(name)]
+        if isinstance(fused, GPTQWeight):
+            cols = slice(start, end)
+            return GPTQWeight(fused.qweight[:, cols].contiguous(), fused.scales[:, cols].contiguous(),
+                              fused.zeros[:, cols].contiguous(), fused.perm, fused.group_size, fused.in_features,
+                              end - start, None if fused.bias is None else fused.bias[cols].contiguous())
+        return fused[start:end]
+
+    def fuse(self) -> None:
+        """Replace q/k/v and gate/up by one wide weight each where they can fuse (see engine/fuse.py)."""
+        self.out_features = {n: _out_features(getattr(self, n)) for n in QKV + GATE_UP}
+        qkv = concat_outputs([self.q_proj, self.k_proj, self.v_proj])  # type: ignore[list-item]
+        if qkv is not None:
+            self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = qkv, None, None, None
+        gate_up = concat_outputs([self.gate_proj, self.up_proj])  # type: ignore[list-item]
+        if gate_up is not None:
+            self.gate_up_proj, self.gate_proj, self.up_proj = gate_up, None, None
 
 
 class Model:
@@ -142,9 +182,12 @@ class Model:
         cfg = self.config
         b, t, _ = h.shape
         x = ops.rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-        q = self._proj(index, layer, "q_proj", x, passthrough).view(b, t, cfg.num_heads, cfg.head_dim)
-        k = self._proj(index, layer, "k_proj", x, passthrough).view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = self._proj(index, layer, "v_proj", x, passthrough).view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = self._projs(index, layer, "qkv_proj", ("q_proj", "k_proj", "v_proj"), (qd, kvd, kvd), x,
+                              passthrough)
+        q = q.view(b, t, cfg.num_heads, cfg.head_dim)
+        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = cache.k[index], cache.v[index]
         if pos_t is not None:
             q = ops.rope_cache_write_at(q, k, v, self.cos[index], self.sin[index], pos_t, k_cache, v_cache)
@@ -157,8 +200,8 @@ class Model:
             a = ops.attention(q, k_cache, v_cache, pos, self.scale)
         a = self._proj(index, layer, "o_proj", a.reshape(b, t, cfg.num_heads * cfg.head_dim), passthrough)
         x, h = ops.add_rms_norm(a, h, layer.post_norm, cfg.rms_norm_eps)
-        gate = self._proj(index, layer, "gate_proj", x, passthrough)
-        up = self._proj(index, layer, "up_proj", x, passthrough)
+        gate, up = self._projs(index, layer, "gate_up_proj", ("gate_proj", "up_proj"),
+                               (cfg.intermediate_size, cfg.intermediate_size), x, passthrough)
         down = self._proj(index, layer, "down_proj", ops.silu_mul(gate, up), passthrough)
         return h + down
 
@@ -171,6 +214,28 @@ class Model:
                 y = y + delta.to(y.dtype)
         return y
 
+    def _projs(
+        self,
+        index: int,
+        layer: Layer,
+        fused: str,
+        names: Tuple[str, ...],
+        sizes: Tuple[int, ...],
+        x: torch.Tensor,
+        passthrough: Optional[Any],
+    ) -> List[torch.Tensor]:
+        """The outputs of projections that share the input x, through their fused weight when there is one."""
+        weight = getattr(layer, fused)
+        if weight is None:
+            return [self._proj(index, layer, name, x, passthrough) for name in names]
+        outs = list(project(x, weight).split(list(sizes), dim=-1))
+        if passthrough is not None:
+            for i, name in enumerate(names):
+                delta = passthrough.linear_delta(index, name, x)
+                if delta is not None:
+                    outs[i] = outs[i] + delta.to(outs[i].dtype)
+        return outs
+
     @property
     def nbytes(self) -> int:
         def size(w: Any) -> int:
@@ -182,6 +247,6 @@ class Model:
         if self.lm_head is not self.embed_tokens:
             total += size(self.lm_head)
         for layer in self.layers:
-            total += sum(size(getattr(layer, n)) for n in Layer.PROJECTIONS)
+            total += sum(size(getattr(layer, n)) for n in Layer.PROJECTIONS if getattr(layer, n) is not None)
             total += size(layer.input_norm) + size(layer.post_norm)
         return total
