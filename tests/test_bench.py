@@ -1,0 +1,44 @@
+"""`kobold-backend bench` runs end to end on the CPU with a tiny synthetic checkpoint and reports every field.
+
+No timing is asserted: speed targets live in docs/performance.md, measured on the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kobold_backend.bench.checkpoint import PRESETS, write_synthetic_gptq
+from kobold_backend.cli import main
+from kobold_backend.engine.config import ModelConfig
+
+FIELDS = ("prompt_tokens_per_s", "decode_tokens_per_s", "chat_turn", "copy_bandwidth_bytes_per_s",
+          "roofline_tokens_per_s", "decode_fraction_of_roofline", "weights_bytes", "cache_bytes")
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_bench_tiny_cpu_writes_every_field(tmp_path: Path, act_order: bool) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--preset", "tiny", "--device", "cpu", "--compare", "--json", str(out)]
+    assert main(argv + (["--act-order"] if act_order else [])) == 0
+    result = json.loads(out.read_text())
+    ours = result["kobold_backend"]
+    for field in FIELDS:
+        assert field in ours, field
+    assert set(ours["prompt_tokens_per_s"]) == {"16", "64"}
+    assert set(ours["decode_tokens_per_s"]) == {"16", "100"}
+    assert all(v > 0 for v in ours["decode_tokens_per_s"].values())
+    assert 0 < ours["chat_turn"]["ttft_s"] and ours["chat_turn"]["cached_tokens"] == 100
+    assert result["act_order"] is act_order
+    assert result["environment"]["torch"]
+    # without a GPU the comparisons are skipped with a reason, never silently absent
+    assert "skipped" in result["exllamav2"] and "skipped" in result["transformers"]
+
+
+def test_synthetic_checkpoint_is_a_valid_gptq_model(tmp_path: Path) -> None:
+    folder = write_synthetic_gptq(tmp_path / "m", PRESETS["tiny"], group_size=32, act_order=True, device="cpu")
+    config = ModelConfig.from_dir(folder)
+    assert config.quant is not None and config.quant.desc_act and config.quant.group_size == 32
+    assert config.num_kv_heads == PRESETS["tiny"].kv_heads
