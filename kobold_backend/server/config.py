@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -21,6 +21,4 @@ class ServerConfig:
     max_queue: int = 6
     max_content_length: int = DEFAULT_MAX_CONTENT_LENGTH
     models_dir: Optional[Path] = None
-    device: str = "cpu"
     default_max_length: int = 180
-    load_kwargs: dict = field(default_factory=dict)

@@ -4,7 +4,6 @@ genkeys, abort, partial text for /api/extra/generate/check, and client-side wait
 from __future__ import annotations
 
 import collections
-import itertools
 import queue as _queue
 import threading
 from typing import Callable, Deque, Iterator, List, Optional, Tuple
@@ -13,8 +12,6 @@ from typing import Callable, Deque, Iterator, List, Optional, Tuple
 POLL_SECONDS = 0.05
 # Finished jobs kept so that a late /generate/check with their genkey still sees the text.
 FINISHED_KEEP = 16
-
-_ids = itertools.count(1)
 
 
 class ServiceBusy(Exception):
@@ -25,7 +22,6 @@ class Job:
     """One unit of work run on the worker thread: a generation (possibly n runs) or a model load."""
 
     def __init__(self, fn: Callable[[Job], object], genkey: Optional[str] = None, streaming: bool = False) -> None:
-        self.id = next(_ids)
         self.fn = fn
         self.genkey = genkey or None
         self.streaming = streaming
@@ -102,8 +98,8 @@ class WorkQueue:
         with self._lock:
             if self._closed:
                 raise ServiceBusy("the server is shutting down")
-            busy = self._running is not None or bool(self._pending)
-            if busy and len(self._pending) >= self.max_waiting:
+            # Counting the running job with the waiting ones keeps the limit exact while the worker picks up.
+            if len(self._pending) + (self._running is not None) > self.max_waiting:
                 raise ServiceBusy("the queue is full")
             self._pending.append(job)
             self._lock.notify_all()

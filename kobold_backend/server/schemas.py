@@ -122,7 +122,6 @@ FIELDS: Tuple[Field, ...] = (
     F("disable_input_formatting", "boolean", True, "Accepted and ignored.", used=False),
 )
 FIELDS_BY_NAME: Dict[str, Field] = {f.name: f for f in FIELDS}
-DEFAULT_MAX_LENGTH = 180
 
 
 @dataclass
