@@ -23,6 +23,7 @@ from kobold_backend.engine.tokenizer import Tokenizer
 from kobold_backend.errors import OutOfContextError, RequestError
 
 PREFILL_CHUNK = 2048
+SHIFT_MIN_MATCH = 32
 MAX_BAN_REWINDS = 64
 
 
@@ -82,6 +83,23 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def find_shift(
+    cached: Sequence[int], new: Sequence[int], min_match: int = SHIFT_MIN_MATCH
+) -> Optional[Tuple[int, int]]:
+    """(start, drop) when `new` is `cached` with a span cut out after the common prefix (a trimmed front of a
+    conversation, memory kept): dropping cached[start:start+drop] then lets the rest of the cache be reused.
+    The kept run must be at least `min_match` tokens, or as long as what is left of either sequence."""
+    start = common_prefix(cached, new)
+    need = min(min_match, len(new) - start - 1)
+    if need < 1 or start >= len(cached):
+        return None
+    probe = list(new[start : start + need])
+    for drop in range(1, len(cached) - start - need + 1):
+        if cached[start + drop] == probe[0] and list(cached[start + drop : start + drop + need]) == probe:
+            return start, drop
+    return None
 
 
 class _TextTracker:
@@ -177,6 +195,7 @@ class Generator:
         self.graph = GraphDecoder(model, self.cache) if use_graphs else None
         self.lock = threading.Lock()
         self.stats = GenerationStats()
+        self.context_shift = True
         self._char_bans: Dict[str, Tuple[int, ...]] = {}
 
     @property
@@ -258,8 +277,14 @@ class Generator:
         room = cache.max_seq_len - len(prompt)
         budget = min(req.max_new_tokens, room)
         t0 = time.perf_counter()
-        reuse = 0 if req.passthrough is not None else min(common_prefix(cache.tokens, prompt), len(prompt) - 1)
-        cache.truncate(min(reuse, cache.seq_len))
+        if req.passthrough is not None:
+            cache.reset()
+        elif self.context_shift:
+            shift = find_shift(cache.tokens, prompt)
+            if shift is not None:
+                self.model.shift_cache(cache, *shift)
+        reuse = min(common_prefix(cache.tokens, prompt), len(prompt) - 1)
+        cache.truncate(reuse)
         logits = self._feed(prompt[reuse:], req.passthrough)
         settings = req.settings
         banned = self._banned_ids(req)

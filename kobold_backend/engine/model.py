@@ -17,6 +17,7 @@ from kobold_backend.engine.cache import KVCache
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.fuse import concat_outputs
 from kobold_backend.engine.gptq import GPTQWeight
+from kobold_backend.ops.reference import rotate_half
 
 Weight = Union[torch.Tensor, GPTQWeight]
 
@@ -119,7 +120,7 @@ class Model:
         if n > self.max_seq_len:
             raise ValueError(f"a cache of {n} positions exceeds the RoPE tables of {self.max_seq_len}")
         return KVCache(
-            num_layers=self.config.num_layers,
+            num_layers=len(self.layers),
             batch_size=batch_size,
             num_kv_heads=self.config.num_kv_heads,
             max_seq_len=n,
@@ -152,6 +153,24 @@ class Model:
         if last_only:
             h = h[:, -1:]
         return self._logits(h)
+
+    @torch.inference_mode()
+    def shift_cache(self, cache: KVCache, start: int, drop: int) -> None:
+        """Remove positions [start, start+drop) from the cache in place: later positions move left by `drop`
+        and their keys are re-rotated by -drop positions, so they read as if computed at their new place."""
+        end = cache.seq_len
+        if drop <= 0 or not 0 <= start < start + drop <= end:
+            raise ValueError(f"cannot drop {drop} positions at {start} from a cache of {end}")
+        moved = end - start - drop
+        for index in range(len(self.layers)):
+            k, v = cache.k[index], cache.v[index]
+            cos = self.cos[index][drop].float()
+            sin = self.sin[index][drop].float()
+            src = k[:, :, start + drop : end].float()
+            k[:, :, start : start + moved].copy_(src * cos - rotate_half(src) * sin)
+            v[:, :, start : start + moved].copy_(v[:, :, start + drop : end].clone())
+        cache.seq_len = start + moved
+        del cache.tokens[start : start + drop]
 
     @torch.inference_mode()
     def decode_step(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, length: int) -> torch.Tensor:
