@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kobold_backend.engine.generator import GenerationRequest, Generator, find_shift
+from kobold_backend.engine.generator import GenerationRequest, Generator
+from kobold_backend.engine.lane import find_shift
 from kobold_backend.engine.loader import load_model
 from kobold_backend.engine.sampling import SamplerSettings
 

@@ -16,14 +16,13 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 import torch
 
 from kobold_backend.engine.cache import KVCache
-from kobold_backend.engine.decode_graph import GraphDecoder, graphs_supported
+from kobold_backend.engine.decode_graph import graphs_supported
+from kobold_backend.engine.lane import Lane
 from kobold_backend.engine.model import Model
 from kobold_backend.engine.sampling import Sampler, SamplerSettings
 from kobold_backend.engine.tokenizer import Tokenizer
 from kobold_backend.errors import OutOfContextError, RequestError
 
-PREFILL_CHUNK = 2048
-SHIFT_MIN_MATCH = 32
 MAX_BAN_REWINDS = 64
 
 
@@ -40,6 +39,8 @@ class GenerationRequest:
     abort: Optional[threading.Event] = None
     banned_strings: Sequence[str] = ()
     trim_stop: bool = True
+    negative_prompt_ids: Sequence[int] = ()
+    guidance_scale: float = 1.0
 
 
 @dataclass
@@ -75,31 +76,6 @@ class GenerationStats:
     finish_reason: str = ""
     seed: Optional[int] = None
     total_generations: int = 0
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def find_shift(
-    cached: Sequence[int], new: Sequence[int], min_match: int = SHIFT_MIN_MATCH
-) -> Optional[Tuple[int, int]]:
-    """(start, drop) when `new` is `cached` with a span cut out after the common prefix (a trimmed front of a
-    conversation, memory kept): dropping cached[start:start+drop] then lets the rest of the cache be reused.
-    The kept run must be at least `min_match` tokens, or as long as what is left of either sequence."""
-    start = common_prefix(cached, new)
-    need = min(min_match, len(new) - start - 1)
-    if need < 1 or start >= len(cached):
-        return None
-    probe = list(new[start : start + need])
-    for drop in range(1, len(cached) - start - need + 1):
-        if cached[start + drop] == probe[0] and list(cached[start + drop : start + drop + need]) == probe:
-            return start, drop
-    return None
 
 
 class _TextTracker:
@@ -189,14 +165,17 @@ class Generator:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.cache = cache if cache is not None else model.new_cache()
-        if use_graphs is None:
-            use_graphs = graphs_supported(model)
-        self.graph = GraphDecoder(model, self.cache) if use_graphs else None
+        self.use_graphs = graphs_supported(model) if use_graphs is None else use_graphs
+        self.lane = Lane(model, cache if cache is not None else model.new_cache(), self.use_graphs)
+        self.cfg_lane: Optional[Lane] = None
         self.lock = threading.Lock()
         self.stats = GenerationStats()
         self.context_shift = True
         self._char_bans: Dict[str, Tuple[int, ...]] = {}
+
+    @property
+    def cache(self) -> KVCache:
+        return self.lane.cache
 
     @property
     def max_context(self) -> int:
@@ -232,9 +211,22 @@ class Generator:
                 "trim it or load the model with a larger context."
             )
         vocab = self.model.config.vocab_size
-        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "prompt")
+        for name, ids in (("prompt", req.prompt_ids), ("negative_prompt", req.negative_prompt_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"{name} token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", name)
+        if req.negative_prompt_ids and len(req.negative_prompt_ids) >= self.cache.max_seq_len:
+            raise OutOfContextError("The negative prompt does not fit in the context.")
+        if not 0.0 <= req.guidance_scale <= 100.0:
+            raise RequestError("guidance_scale must be in [0, 100]", "guidance_scale")
+
+    def _cfg_lane(self, req: GenerationRequest) -> Optional[Lane]:
+        """The negative prompt's lane for classifier-free guidance, its cache allocated on first use."""
+        if not req.negative_prompt_ids or req.guidance_scale == 1.0:
+            return None
+        if self.cfg_lane is None:
+            self.cfg_lane = Lane(self.model, self.model.new_cache(self.cache.max_seq_len), self.use_graphs)
+        return self.cfg_lane
 
     def _banned_ids(self, req: GenerationRequest) -> Tuple[int, ...]:
         ids = set(req.settings.banned_token_ids)
@@ -252,40 +244,17 @@ class Generator:
             self._char_bans[char] = tuple(i for i, s in enumerate(strings) if low in s.lower())
         return self._char_bans[char]
 
-    def _feed(self, ids: Sequence[int], passthrough: Optional[Any]) -> torch.Tensor:
-        """Run ids through the model at the end of the cache; returns the last position's logits [V]."""
-        logits = None
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            chunk = list(ids[start : start + PREFILL_CHUNK])
-            x = torch.tensor([chunk], dtype=torch.long, device=self.model.embed_tokens.device)
-            logits = self.model.forward(x, self.cache, passthrough=passthrough)
-            self.cache.tokens.extend(chunk)
-        assert logits is not None
-        return logits[0, -1]
-
-    def _step(self, token: int, passthrough: Optional[Any]) -> torch.Tensor:
-        """Feed one sampled token: a CUDA-graph replay when possible (passthrough runs eager)."""
-        if self.graph is None or passthrough is not None:
-            return self._feed([token], passthrough)
-        logits = self.graph.step(token)
-        self.cache.tokens.append(token)
-        return logits
-
     def _run(self, req: GenerationRequest) -> Iterator[TokenEvent]:
         cache = self.cache
         prompt = list(req.prompt_ids) or ([self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else [0])
         room = cache.max_seq_len - len(prompt)
         budget = min(req.max_new_tokens, room)
         t0 = time.perf_counter()
-        if req.passthrough is not None:
-            cache.reset()
-        elif self.context_shift:
-            shift = find_shift(cache.tokens, prompt)
-            if shift is not None:
-                self.model.shift_cache(cache, *shift)
-        reuse = min(common_prefix(cache.tokens, prompt), len(prompt) - 1)
-        cache.truncate(reuse)
-        logits = self._feed(prompt[reuse:], req.passthrough)
+        logits, reuse = self.lane.prepare(prompt, req.passthrough, self.context_shift)
+        guide = self._cfg_lane(req)
+        guide_logits = logits
+        if guide is not None:
+            guide_logits, _ = guide.prepare(list(req.negative_prompt_ids), req.passthrough, self.context_shift)
         settings = req.settings
         banned = self._banned_ids(req)
         if banned:
@@ -309,7 +278,8 @@ class Generator:
                 if extra:
                     logits = logits.clone()
                     logits[list(extra)] = float("-inf")
-                token = sampler.sample(logits)
+                token = sampler.sample(logits if guide is None else classifier_free_guidance(
+                    logits, guide_logits, req.guidance_scale))
                 sampler.accept(token)
                 generated.append(token)
                 if token in eos and not req.bypass_eos:
@@ -325,8 +295,9 @@ class Generator:
                         sampler.rewind(len(generated) - start)
                         tracker.truncate(start)
                         del generated[start:]
-                        cache.truncate(len(prompt) + start - 1)
-                        logits = self._feed([(prompt + generated)[-1]], req.passthrough)
+                        logits = self.lane.rewind_to(len(prompt) + start, req.passthrough)
+                        if guide is not None:
+                            guide_logits = guide.rewind_to(len(req.negative_prompt_ids) + start, req.passthrough)
                         continue
                 stop = tracker.find_stop()
                 if stop is not None:
@@ -337,7 +308,9 @@ class Generator:
                 yield TokenEvent(tracker.take(tracker.safe_end()), token)
                 if len(generated) >= budget:
                     break
-                logits = self._step(token, req.passthrough)
+                logits = self.lane.step(token, req.passthrough)
+                if guide is not None:
+                    guide_logits = guide.step(token, req.passthrough)
             tail = "" if reason == "stop_string" else tracker.take(len(tracker.buf))
             yield TokenEvent(tail, None, reason)
         finally:
@@ -347,6 +320,14 @@ class Generator:
                 prefill_seconds=t1 - t0, decode_seconds=t2 - t1, finish_reason=reason, seed=req.seed,
                 total_generations=self.stats.total_generations + 1,
             )
+
+
+def classifier_free_guidance(logits: torch.Tensor, negative: torch.Tensor, scale: float) -> torch.Tensor:
+    """Mix the prompt's and the negative prompt's next-token distributions in log space:
+    log p_neg + scale * (log p - log p_neg); scale 1 is the prompt alone, 0 the negative prompt alone."""
+    pos = torch.log_softmax(logits.float(), dim=-1)
+    neg = torch.log_softmax(negative.float(), dim=-1)
+    return neg + scale * (pos - neg)
 
 
 def _with_bans(settings: SamplerSettings, banned: Tuple[int, ...]) -> SamplerSettings:

@@ -1,0 +1,89 @@
+"""A Lane is one KV cache being extended token by token: prefix reuse, context shift, prefill, decode steps.
+
+The generator drives one lane per sequence it needs (the prompt; the negative prompt of CFG).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+from kobold_backend.engine.cache import KVCache
+from kobold_backend.engine.decode_graph import GraphDecoder
+from kobold_backend.engine.model import Model
+
+PREFILL_CHUNK = 2048
+SHIFT_MIN_MATCH = 32
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def find_shift(
+    cached: Sequence[int], new: Sequence[int], min_match: int = SHIFT_MIN_MATCH
+) -> Optional[Tuple[int, int]]:
+    """(start, drop) when `new` is `cached` with a span cut out after the common prefix (a trimmed front of a
+    conversation, memory kept): dropping cached[start:start+drop] then lets the rest of the cache be reused.
+    The kept run must be at least `min_match` tokens, or as long as what is left of either sequence."""
+    start = common_prefix(cached, new)
+    need = min(min_match, len(new) - start - 1)
+    if need < 1 or start >= len(cached):
+        return None
+    probe = list(new[start : start + need])
+    for drop in range(1, len(cached) - start - need + 1):
+        if cached[start + drop] == probe[0] and list(cached[start + drop : start + drop + need]) == probe:
+            return start, drop
+    return None
+
+
+class Lane:
+    """A cache, the ids it holds (cache.tokens) and, on one CUDA device, a decode graph."""
+
+    def __init__(self, model: Model, cache: KVCache, use_graphs: bool) -> None:
+        self.model = model
+        self.cache = cache
+        self.graph = GraphDecoder(model, cache) if use_graphs else None
+
+    def prepare(self, prompt: List[int], passthrough: Optional[Any], context_shift: bool) -> Tuple[torch.Tensor, int]:
+        """Bring the cache to `prompt` reusing what it can; returns (last logits [V], reused token count)."""
+        cache = self.cache
+        if passthrough is not None:
+            cache.reset()  # cached states were computed without this request's actions
+        elif context_shift:
+            shift = find_shift(cache.tokens, prompt)
+            if shift is not None:
+                self.model.shift_cache(cache, *shift)
+        reuse = min(common_prefix(cache.tokens, prompt), len(prompt) - 1)
+        cache.truncate(reuse)
+        return self.feed(prompt[reuse:], passthrough), reuse
+
+    def feed(self, ids: Sequence[int], passthrough: Optional[Any]) -> torch.Tensor:
+        """Run ids through the model at the end of the cache; returns the last position's logits [V]."""
+        logits = None
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            chunk = list(ids[start : start + PREFILL_CHUNK])
+            x = torch.tensor([chunk], dtype=torch.long, device=self.model.embed_tokens.device)
+            logits = self.model.forward(x, self.cache, passthrough=passthrough)
+            self.cache.tokens.extend(chunk)
+        assert logits is not None
+        return logits[0, -1]
+
+    def step(self, token: int, passthrough: Optional[Any]) -> torch.Tensor:
+        """Feed one sampled token: a CUDA-graph replay when possible (passthrough runs eager)."""
+        if self.graph is None or passthrough is not None:
+            return self.feed([token], passthrough)
+        logits = self.graph.step(token)
+        self.cache.tokens.append(token)
+        return logits
+
+    def rewind_to(self, length: int, passthrough: Optional[Any]) -> torch.Tensor:
+        """Keep `length` positions, then re-run the last kept token to get the logits that follow it."""
+        last = self.cache.tokens[length - 1]
+        self.cache.truncate(length - 1)
+        return self.feed([last], passthrough)
