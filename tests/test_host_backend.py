@@ -163,6 +163,11 @@ def test_seed_makes_sampling_reproducible_including_zero(united: UnitedHost, mod
     runs = {seed: tokens(backend.raw_generate(prompt, max_new=16, seed=seed)) for seed in (0, 1, 2)}
     assert tokens(backend.raw_generate(prompt, max_new=16, seed=0)) == runs[0]
     assert runs[0] != runs[1] or runs[0] != runs[2]
+    # without a seed argument, torch's global RNG decides (United seeds it for API calls with sampler_seed)
+    torch.manual_seed(1234)
+    first = tokens(backend.raw_generate(prompt, max_new=16))
+    torch.manual_seed(1234)
+    assert tokens(backend.raw_generate(prompt, max_new=16)) == first
 
 
 def test_batch_rows_match_independent_runs(united: UnitedHost, model_dir: Path) -> None:

@@ -446,11 +446,13 @@ class KoboldBackendMixin:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.abort = False
         batch = max(1, int(batch_count))
+        # No seed: draw one from torch's global RNG, which United seeds for API calls with sampler_seed.
+        base_seed = int(seed) if seed is not None else int(torch.randint(0, 2 ** 62, (1,)).item())
 
         def request(row: int) -> Any:
             return GenerationRequest(
                 prompt_ids=list(prompt), max_new_tokens=budget, settings=settings, ban_eos=ban_eos,
-                seed=None if seed is None else int(seed) + row, abort=self._abort_event,
+                seed=base_seed + row, abort=self._abort_event,
                 passthrough=kwargs.get("passthrough"),
             )
 
