@@ -279,6 +279,34 @@ def test_penalty_position_in_the_order(compact: bool) -> None:
     assert_close(last.warp(torch.tensor(s, dtype=torch.float32)), ref_rep_pen_united(s / 0.5, ctx, 1.5, 8, 1.0))
 
 
+def ref_top_p(s: np.ndarray, top_p: float) -> np.ndarray:
+    """United top-p (ascending sort, remove cumulative <= 1 - top_p)."""
+    finite = np.isfinite(s)
+    p = np.zeros_like(s)
+    p[finite] = np.exp(s[finite] - s[finite].max())
+    p /= p.sum()
+    order = np.argsort(s, kind="stable")
+    remove = np.zeros(s.size, dtype=bool)
+    remove[order] = np.cumsum(p[order]) <= 1.0 - top_p
+    return np.where(remove, NEG, s)
+
+
+@COMPACT
+@pytest.mark.parametrize("mode", ["kobold_united", "koboldcpp"])
+@pytest.mark.parametrize("order", [(2, 6), (6, 2)])
+def test_penalties_on_a_sorted_candidate_set(mode: str, order: Sequence[int], compact: bool) -> None:
+    """After top-p the candidates are sorted (and compacted on the host): the per-token state is gathered."""
+    cfg = {"rep_pen": 1.3, "rep_pen_range": 9, "rep_pen_slope": 0.6, "presence_penalty": 0.3,
+           "frequency_penalty": 0.2, "rep_pen_mode": mode, "top_p": 0.9, "sampler_order": order}
+    sampler = make(cfg, compact)
+    ctx = repetitive_context(11, 40)
+    if order == (2, 6):
+        ref = lambda s, c: ref_penalties(ref_top_p(s, 0.9), c, cfg)  # noqa: E731
+    else:
+        ref = lambda s, c: ref_top_p(ref_penalties(s, c, cfg), 0.9)  # noqa: E731
+    check_sequence(sampler, ctx, ref)
+
+
 def test_tokens_outside_the_vocabulary_are_ignored() -> None:
     cfg = {"rep_pen": 1.5, "rep_pen_range": 0, "presence_penalty": 0.5, "frequency_penalty": 0.5,
            "dry_multiplier": 1.0, "dry_allowed_length": 1, "sampler_order": (6,)}

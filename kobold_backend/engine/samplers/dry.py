@@ -95,6 +95,7 @@ class DryPenalty:
         self._hist = torch.empty(0, dtype=torch.long, device=device)
         self._match = torch.empty(0, dtype=torch.long, device=device)
         self._ramp = torch.empty(0, dtype=torch.long, device=device)
+        self._longest = torch.zeros(vocab_size + 1 if self.active else 0, dtype=torch.long, device=device)
 
     def window(self, length: int) -> int:
         """How many of the newest tokens DRY looks at."""
@@ -192,13 +193,19 @@ class DryPenalty:
             return logits
         matches = torch.minimum(self._match[start : length - 1], self._ramp[: w - 1]).clamp_(max=rep_limit)
         value = torch.where(matches >= self.allowed, matches + 1, torch.zeros_like(matches))
-        longest = torch.zeros(self.vocab_size + 1, dtype=torch.long, device=self.device)
         followers = self._hist[start + 1 : length]
-        followers = torch.where((followers >= 0) & (followers < self.vocab_size), followers, self.vocab_size)
+        followers = torch.where((followers >= 0) & (followers < self.vocab_size), followers,
+                                torch.full_like(followers, self.vocab_size))
+        # Per-token maximum over the window through a persistent buffer, touching only these slots.
+        longest = self._longest
+        longest.index_fill_(0, followers, 0)
         longest.scatter_reduce_(0, followers, value, "amax")
-        longest = longest[: self.vocab_size]
-        exponent = longest - 1 - self.allowed
+        best = longest[followers]
+        exponent = best - 1 - self.allowed
         if self.max_exponent > 0:
             exponent = exponent.clamp(max=self.max_exponent)
         penalty = self.multiplier * torch.pow(self.base, exponent.to(logits.dtype))
-        return logits - torch.where(longest > 0, penalty, torch.zeros_like(penalty))
+        penalty = torch.where(best > 0, penalty, torch.zeros_like(penalty))
+        padded = torch.cat((logits, logits.new_zeros(1)))
+        padded[followers] = padded[followers] - penalty
+        return padded[: self.vocab_size]

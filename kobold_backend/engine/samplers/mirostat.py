@@ -43,7 +43,7 @@ def mirostat_v2(c: Candidates, mu: torch.Tensor) -> None:
     """Remove tokens with surprise -log2 p > mu, keeping at least the most likely one."""
     probs = c.probs()
     remove = probs < torch.pow(2.0, -mu)
-    remove[torch.argmax(c.vals)] = False
+    remove[torch.argmax(c.vals).reshape(1)] = False
     c.remove(remove, suffix=True)
 
 

@@ -3,6 +3,8 @@
 Two rules (see docs/samplers.md): KoboldAI United's curve ("kobold_united") and KoboldCpp's half-window
 rule ("koboldcpp"). Both only need, per vocabulary token, the position of its newest occurrence; the
 frequency penalty also keeps per-token counts over the window. Both are updated per accepted token.
+In vocabulary order only the window's tokens are touched; in a sorted/compacted order the per-token
+state is gathered for the candidates instead.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class RepetitionPenalty:
         self._counts: Optional[torch.Tensor] = None
         if frequency_penalty != 0.0:
             self._counts = torch.zeros(vocab_size + 1, dtype=torch.float32, device=device)
+        # Device copy of the context (ids outside the vocabulary as vocab_size) and position numbers.
+        self._hist = torch.empty(0, dtype=torch.long, device=device)
+        self._positions = torch.empty(0, dtype=torch.long, device=device)
         self._length = 0
 
     def window(self, length: int) -> int:
@@ -71,16 +76,27 @@ class RepetitionPenalty:
     def _slot(self, token: int) -> int:
         return token if 0 <= token < self.vocab_size else self.vocab_size
 
+    def _reserve(self, length: int, keep: int) -> None:
+        """Room for `length` history positions, keeping the first `keep`."""
+        if length <= self._hist.numel():
+            return
+        capacity = max(1024, 2 * length)
+        hist = torch.full((capacity,), self.vocab_size, dtype=torch.long, device=self.device)
+        hist[:keep] = self._hist[:keep]
+        self._hist = hist
+        self._positions = torch.arange(capacity, dtype=torch.long, device=self.device)
+
     def reset(self, context: List[int]) -> None:
         """Rebuild the state for a whole context (begin, rewind)."""
         self._length = len(context)
         if not self.active:
             return
         self._last_pos.fill_(-1)
+        self._reserve(len(context), 0)
         if context:
             ids = torch.tensor([self._slot(t) for t in context], dtype=torch.long, device=self.device)
-            positions = torch.arange(len(context), dtype=torch.long, device=self.device)
-            self._last_pos.scatter_reduce_(0, ids, positions, "amax")
+            self._hist[: len(context)] = ids
+            self._last_pos.scatter_reduce_(0, ids, self._positions[: len(context)], "amax")
             if self._counts is not None:
                 w = self.window(len(context))
                 self._counts.zero_()
@@ -92,6 +108,8 @@ class RepetitionPenalty:
         if not self.active:
             return
         token = self._slot(context[-1])
+        self._reserve(self._length, self._length - 1)
+        self._hist[self._length - 1] = token
         self._last_pos[token] = self._length - 1
         if self._counts is not None:
             self._counts[token] += 1.0
@@ -104,25 +122,51 @@ class RepetitionPenalty:
         w = self.window(length)
         if not self.active or w == 0:
             return
-        last_pos = c.per_token(self._last_pos[: self.vocab_size])
-        distance = (length - 1) - last_pos
-        in_window = (last_pos >= 0) & (distance < w)
-        vals = c.vals
+        if c.ids is None:
+            self._apply_window(c, length, w)
+        else:
+            last_pos = c.per_token(self._last_pos[: self.vocab_size])
+            distance = (length - 1) - last_pos
+            in_window = (last_pos >= 0) & (distance < w)
+            counts = None if self._counts is None else c.per_token(self._counts[: self.vocab_size])
+            c.vals = self._penalise(c.vals, distance, in_window, counts, w)
+        c.sorted = False
+
+    def _apply_window(self, c: Candidates, length: int, w: int) -> None:
+        """Vocabulary order: touch only the window's tokens, each once at its newest position."""
+        start = length - w
+        tokens = self._hist[start:length]
+        positions = self._positions[start:length]
+        newest = self._last_pos[tokens] == positions
+        index = torch.where(newest, tokens, torch.full_like(tokens, self.vocab_size))
+        padded = torch.cat((c.vals, c.vals.new_zeros(1)))
+        counts = None if self._counts is None else self._counts[index]
+        padded[index] = self._penalise(padded[index], (length - 1) - positions, None, counts, w)
+        c.vals = padded[: self.vocab_size]
+
+    def _penalise(
+        self,
+        vals: torch.Tensor,
+        distance: torch.Tensor,
+        in_window: Optional[torch.Tensor],
+        counts: Optional[torch.Tensor],
+        w: int,
+    ) -> torch.Tensor:
+        """The slot-6 arithmetic on gathered logits; `in_window` None means every entry is in the window."""
+        inside = torch.ones_like(vals) if in_window is None else in_window.to(vals.dtype)
         if self.rep_pen != 1.0:
             if self.mode == "kobold_united":
                 if self._curve is not None:
                     index = (self.range - 1 - distance).clamp(0, self.range - 1)
-                    factor = torch.where(in_window, self._curve[index], torch.ones_like(vals))
+                    factor = 1.0 + (self._curve[index] - 1.0) * inside
                 else:
-                    factor = 1.0 + (self.rep_pen - 1.0) * in_window.to(vals.dtype)
+                    factor = 1.0 + (self.rep_pen - 1.0) * inside
             else:
-                near = (in_window & (2 * distance + 2 <= w)).to(vals.dtype)
-                factor = 1.0 + (self.reduced - 1.0) * in_window.to(vals.dtype)
-                factor = factor + (self.rep_pen - self.reduced) * near
+                near = (2 * distance + 2 <= w).to(vals.dtype) * inside
+                factor = 1.0 + (self.reduced - 1.0) * inside + (self.rep_pen - self.reduced) * near
             vals = torch.where(vals <= 0, vals * factor, vals / factor)
         if self.presence != 0.0:
-            vals = vals - self.presence * in_window.to(vals.dtype)
-        if self._counts is not None:
-            vals = vals - self.frequency * c.per_token(self._counts[: self.vocab_size])
-        c.vals = vals
-        c.sorted = False
+            vals = vals - self.presence * inside
+        if counts is not None:
+            vals = vals - self.frequency * counts
+        return vals
