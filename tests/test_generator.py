@@ -127,3 +127,48 @@ def test_bad_requests(lm) -> None:
         gen.generate(GenerationRequest([lm.config.vocab_size], 4, GREEDY))
     with pytest.raises(RequestError, match="max_new_tokens"):
         gen.generate(GenerationRequest([5], 0, GREEDY))
+
+
+def _sequence_logprob(lm, prompt, continuation) -> float:
+    """log p(continuation | prompt) by one full forward (independent of the generator and the beams)."""
+    ids = torch.tensor([list(prompt) + list(continuation)])
+    logits = lm.model.forward(ids, lm.model.new_cache(), last_only=False)[0]
+    logp = torch.log_softmax(logits, -1)
+    start = len(prompt) - 1
+    return sum(float(logp[start + i, t]) for i, t in enumerate(continuation))
+
+
+def test_one_beam_is_greedy(lm) -> None:
+    gen = Generator(lm.model, lm.tokenizer)
+    prompt = _prompt(lm, 12)
+    greedy = gen.generate(GenerationRequest(prompt, 10, GREEDY, ban_eos=True))
+    gen.cache.reset()
+    beam = gen.generate(GenerationRequest(prompt, 10, GREEDY, ban_eos=True, num_beams=1, beam_length=4))
+    assert beam.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_beams_find_a_sequence_at_least_as_likely_as_greedy(lm, seed: int) -> None:
+    gen = Generator(lm.model, lm.tokenizer)
+    prompt = _prompt(lm, 20 + seed)
+    n = 8
+    greedy = gen.generate(GenerationRequest(prompt, n, GREEDY, ban_eos=True)).token_ids
+    out = gen.generate(GenerationRequest(prompt, n, GREEDY, ban_eos=True, num_beams=4, beam_length=n))
+    assert len(out.token_ids) == n
+    ours, base = _sequence_logprob(lm, prompt, out.token_ids), _sequence_logprob(lm, prompt, greedy)
+    assert ours >= base - 1e-4
+    assert abs(gen.last_beam_search.logprob - ours) < 1e-3  # the search's own bookkeeping agrees
+    # memory per extra beam: each beam holds at most beam_length columns of K and V per layer
+    cfg = lm.config
+    per_beam = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * n * 4
+    assert gen.last_beam_search.peak_beam_bytes <= 4 * per_beam
+
+
+def test_beam_cache_holds_the_committed_tokens(lm) -> None:
+    gen = Generator(lm.model, lm.tokenizer)
+    prompt = _prompt(lm, 30)
+    out = gen.generate(GenerationRequest(prompt, 6, GREEDY, ban_eos=True, num_beams=3, beam_length=3))
+    assert gen.cache.tokens[: len(prompt) + 6] == prompt + out.token_ids
+    follow = gen.generate(GenerationRequest(prompt + out.token_ids, 3, GREEDY, ban_eos=True))
+    assert gen.stats.reused_tokens == len(prompt) + 5
+    assert follow.token_ids == _reference_greedy(lm, prompt + out.token_ids, 3)[: len(follow.token_ids)]

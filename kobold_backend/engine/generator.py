@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from kobold_backend.engine.beam import BeamSearch
 from kobold_backend.engine.cache import KVCache
 from kobold_backend.engine.decode_graph import graphs_supported
 from kobold_backend.engine.lane import Lane
@@ -24,6 +25,8 @@ from kobold_backend.engine.tokenizer import Tokenizer
 from kobold_backend.errors import OutOfContextError, RequestError
 
 MAX_BAN_REWINDS = 64
+MAX_BEAMS = 16
+MAX_BEAM_LENGTH = 64
 
 
 @dataclass
@@ -41,6 +44,8 @@ class GenerationRequest:
     trim_stop: bool = True
     negative_prompt_ids: Sequence[int] = ()
     guidance_scale: float = 1.0
+    num_beams: int = 1
+    beam_length: int = 8
 
 
 @dataclass
@@ -168,6 +173,7 @@ class Generator:
         self.use_graphs = graphs_supported(model) if use_graphs is None else use_graphs
         self.lane = Lane(model, cache if cache is not None else model.new_cache(), self.use_graphs)
         self.cfg_lane: Optional[Lane] = None
+        self.last_beam_search: Optional[BeamSearch] = None
         self.lock = threading.Lock()
         self.stats = GenerationStats()
         self.context_shift = True
@@ -219,6 +225,12 @@ class Generator:
             raise OutOfContextError("The negative prompt does not fit in the context.")
         if not 0.0 <= req.guidance_scale <= 100.0:
             raise RequestError("guidance_scale must be in [0, 100]", "guidance_scale")
+        if not 1 <= req.num_beams <= MAX_BEAMS:
+            raise RequestError(f"num_beams must be in [1, {MAX_BEAMS}]", "num_beams")
+        if not 1 <= req.beam_length <= MAX_BEAM_LENGTH:
+            raise RequestError(f"beam_length must be in [1, {MAX_BEAM_LENGTH}]", "beam_length")
+        if req.num_beams > 1 and (req.negative_prompt_ids or req.passthrough is not None):
+            raise RequestError("beam search cannot be combined with a negative prompt or passthrough", "num_beams")
 
     def _cfg_lane(self, req: GenerationRequest) -> Optional[Lane]:
         """The negative prompt's lane for classifier-free guidance, its cache allocated on first use."""
@@ -262,6 +274,10 @@ class Generator:
         sampler = Sampler(settings, self.model.config.vocab_size, logits.device, seed=req.seed,
                           token_texts=self.tokenizer.token_strings())
         sampler.begin(prompt)
+        beams = None
+        if req.num_beams > 1:
+            self.last_beam_search = BeamSearch(self.lane, logits, req.num_beams, req.beam_length, banned)
+            beams = self.last_beam_search.tokens(budget)
         t1 = time.perf_counter()
         tracker = _TextTracker(self.tokenizer, req.stop_strings, req.banned_strings)
         generated: List[int] = []
@@ -274,20 +290,23 @@ class Generator:
                 if req.abort is not None and req.abort.is_set():
                     reason = "abort"
                     break
-                extra = position_bans.get(len(generated))
-                if extra:
-                    logits = logits.clone()
-                    logits[list(extra)] = float("-inf")
-                token = sampler.sample(logits if guide is None else classifier_free_guidance(
-                    logits, guide_logits, req.guidance_scale))
-                sampler.accept(token)
+                if beams is not None:
+                    token = next(beams)
+                else:
+                    extra = position_bans.get(len(generated))
+                    if extra:
+                        logits = logits.clone()
+                        logits[list(extra)] = float("-inf")
+                    token = sampler.sample(logits if guide is None else classifier_free_guidance(
+                        logits, guide_logits, req.guidance_scale))
+                    sampler.accept(token)
                 generated.append(token)
                 if token in eos and not req.bypass_eos:
                     reason = "stop"
                     yield TokenEvent("", token)
                     break
                 tracker.push(token)
-                if tracker.banned and rewinds < MAX_BAN_REWINDS:
+                if tracker.banned and beams is None and rewinds < MAX_BAN_REWINDS:
                     start = tracker.find_banned()
                     if start is not None:
                         rewinds += 1
@@ -308,6 +327,8 @@ class Generator:
                 yield TokenEvent(tracker.take(tracker.safe_end()), token)
                 if len(generated) >= budget:
                     break
+                if beams is not None:
+                    continue
                 logits = self.lane.step(token, req.passthrough)
                 if guide is not None:
                     guide_logits = guide.step(token, req.passthrough)
