@@ -54,9 +54,18 @@ def menu_item(path: Path) -> Dict[str, Any]:
             "isdirectory": "true", "menu": "Custom", "path": str(path), "id": str(path)}
 
 
-def load(host: UnitedHost, path: Path, **values: Any) -> Any:
-    params = host.select_folder(path.name, str(path))["model_backends"][PLUGIN]
+def on_cpu(params: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The form's defaults with every layer on the CPU (the tests compare against CPU float32 oracles)."""
     data = {p["id"]: p["default"] for p in params if p["uitype"] != "Valid Display"}
+    total = sum(v for k, v in data.items() if k.endswith("_Layers"))
+    data.update({k: 0 for k in data if k.endswith("_Layers")}, CPU_Layers=total)
+    return data
+
+
+def load(host: UnitedHost, path: Path, **values: Any) -> Any:
+    data = on_cpu(host.select_folder(path.name, str(path))["model_backends"][PLUGIN])
+    if any(k.endswith("_Layers") for k in values):
+        data.update({k: 0 for k in data if k.endswith("_Layers")})
     data.update(values)
     data.update(menu_item(path))
     return host.load(PLUGIN, data)
@@ -89,7 +98,7 @@ def test_united_call_sequence(united: UnitedHost, model_dir: Path) -> None:
     params = offered[PLUGIN]
     ids = [p["id"] for p in params]
     assert ids[0] == "valid_layers" and "CPU_Layers" in ids and "max_ctx" in ids
-    form = {p["id"]: p["default"] for p in params if p["uitype"] != "Valid Display"}
+    form = on_cpu(params)
     form.update(max_ctx=256, ntk_alpha=1.0)
     refreshed = united.resubmit(dict(form, **menu_item(model_dir), valid_backends=[PLUGIN]))
     assert {p["id"]: p["default"] for p in refreshed["model_backends"][PLUGIN]}["max_ctx"] == 256
@@ -343,7 +352,7 @@ def test_put_model_and_cli_loads(united: UnitedHost, model_dir: Path) -> None:
     reloaded = united.put_model(str(model_dir), PLUGIN)
     assert reloaded.model_name == str(model_dir) and reloaded.generator.max_context == 256  # saved settings
     united.model.unload()
-    cli = united.cli_load(str(model_dir), PLUGIN, str(model_dir), {"max_ctx": 384})
+    cli = united.cli_load(str(model_dir), PLUGIN, str(model_dir), {"max_ctx": 384, "0_Layers": 0, "CPU_Layers": 2})
     assert cli.generator.max_context == 384 and cli.model_name == str(model_dir)
     sample_with(united, **GREEDY)
     assert len(cli.raw_generate("Hello", max_new=5).encoded[0]) == 5
