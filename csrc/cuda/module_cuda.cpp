@@ -1,0 +1,120 @@
+// pybind11 binding of kobold_backend._ext_cuda: plain integers (device pointers, shapes, strides, dtype
+// codes, device index, cudaStream_t) in; no libtorch, so one build serves every torch of its CUDA major.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kb_common.h"
+#include "ops_cuda.h"
+
+namespace py = pybind11;
+namespace kc = kb::cuda;
+
+namespace {
+
+template <typename T>
+T* ptr(std::uintptr_t p) {
+    return reinterpret_cast<T*>(p);
+}
+
+kc::Workspace workspace(py::tuple ws) {
+    return kc::Workspace{ptr<float>(ws[0].cast<std::uintptr_t>()), ws[1].cast<int64_t>(),
+                         ptr<uint32_t>(ws[2].cast<std::uintptr_t>()), ws[3].cast<int64_t>()};
+}
+
+int64_t at(py::tuple t, size_t i) { return t[i].cast<int64_t>(); }
+
+py::dict fingerprint() {
+    const kc::BuildInfo info = kc::build_info();
+    py::dict d;
+    d["kind"] = "cuda";
+    d["version"] = KB_VERSION;
+    d["cuda_version"] = std::to_string(info.cuda_version / 1000) + "." + std::to_string(info.cuda_version % 1000 / 10);
+    py::list archs;
+    size_t start = 0;
+    while (start < info.archs.size()) {
+        size_t end = info.archs.find(' ', start);
+        if (end == std::string::npos) end = info.archs.size();
+        if (end > start) archs.append(info.archs.substr(start, end - start));
+        start = end + 1;
+    }
+    d["archs"] = archs;
+    d["compiler"] = "nvcc " + info.nvcc + " / " + info.host_compiler;
+    return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_ext_cuda, m) {
+    m.doc() = "kobold_backend CUDA kernels (raw pointers; see kobold_backend/ops/native.py)";
+    m.def("fingerprint", &fingerprint);
+    m.def("driver_version", &kc::driver_version);
+    m.def("runtime_version", &kc::runtime_version);
+    m.def("device_count", &kc::device_count);
+
+    m.def("gptq_gemv", [](std::uintptr_t x, int64_t x_stride, int64_t rows, int64_t k, std::uintptr_t perm,
+                          std::uintptr_t qweight, int64_t n, std::uintptr_t scales, std::uintptr_t zeros,
+                          int64_t group_size, int64_t groups, std::uintptr_t bias, std::uintptr_t out, py::tuple ws,
+                          int device, std::uintptr_t stream) {
+        kc::GemvArgs a{ptr<const void>(x), x_stride, rows, k, ptr<const int64_t>(perm), ptr<const uint32_t>(qweight),
+                       n, ptr<const void>(scales), ptr<const void>(zeros), group_size, groups,
+                       ptr<const void>(bias), ptr<void>(out), workspace(ws), device, stream};
+        py::gil_scoped_release release;
+        kc::gptq_gemv(a);
+    });
+
+    m.def(
+        "gptq_dequantize",
+        [](std::uintptr_t qweight, int64_t k, int64_t n, std::uintptr_t scales, std::uintptr_t zeros,
+           int64_t group_size, int64_t groups, std::uintptr_t out, int device, std::uintptr_t stream) {
+            kc::gptq_dequantize(ptr<const uint32_t>(qweight), k, n, ptr<const void>(scales), ptr<const void>(zeros),
+                                group_size, groups, ptr<void>(out), device, stream);
+        },
+        py::call_guard<py::gil_scoped_release>());
+
+    m.def(
+        "rms_norm",
+        [](std::uintptr_t x, int64_t x_stride, std::uintptr_t residual, int64_t r_stride, int64_t rows, int64_t d,
+           std::uintptr_t weight, int w_dtype, float eps, std::uintptr_t y, std::uintptr_t residual_out, int device,
+           std::uintptr_t stream) {
+            kc::rms_norm(ptr<const void>(x), x_stride, ptr<const void>(residual), r_stride, rows, d,
+                         ptr<const void>(weight), w_dtype, eps, ptr<void>(y), ptr<void>(residual_out), device,
+                         stream);
+        },
+        py::call_guard<py::gil_scoped_release>());
+
+    m.def("rope_cache_write", [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, py::tuple qs, py::tuple ks,
+                                 py::tuple vs, int64_t b, int64_t t, int64_t hq, int64_t hkv, int64_t d,
+                                 std::uintptr_t cos, std::uintptr_t sin, int cs_dtype, int64_t cos_stride,
+                                 int64_t sin_stride, int64_t pos, std::uintptr_t k_cache, std::uintptr_t v_cache,
+                                 py::tuple kcs, py::tuple vcs, std::uintptr_t q_out, int device,
+                                 std::uintptr_t stream) {
+        kc::RopeArgs a{ptr<const void>(q), ptr<const void>(k), ptr<const void>(v),
+                       at(qs, 0), at(qs, 1), at(qs, 2), at(ks, 0), at(ks, 1), at(ks, 2), at(vs, 0), at(vs, 1), at(vs, 2),
+                       b, t, hq, hkv, d, ptr<const void>(cos), ptr<const void>(sin), cs_dtype, cos_stride, sin_stride,
+                       pos, ptr<void>(k_cache), ptr<void>(v_cache),
+                       at(kcs, 0), at(kcs, 1), at(kcs, 2), at(vcs, 0), at(vcs, 1), at(vcs, 2),
+                       ptr<void>(q_out), device, stream};
+        py::gil_scoped_release release;
+        kc::rope_cache_write(a);
+    });
+
+    m.def("decode_attention", [](std::uintptr_t q, int64_t q_sb, int64_t q_sh, int64_t b, int64_t hq, int64_t hkv,
+                                 int64_t d, std::uintptr_t k_cache, std::uintptr_t v_cache, py::tuple kcs,
+                                 py::tuple vcs, int64_t seq_len, float scale, std::uintptr_t out, py::tuple ws,
+                                 int device, std::uintptr_t stream) {
+        kc::AttnArgs a{ptr<const void>(q), q_sb, q_sh, b, hq, hkv, d, ptr<const void>(k_cache),
+                       ptr<const void>(v_cache), at(kcs, 0), at(kcs, 1), at(kcs, 2), at(vcs, 0), at(vcs, 1),
+                       at(vcs, 2), seq_len, scale, ptr<void>(out), workspace(ws), device, stream};
+        py::gil_scoped_release release;
+        kc::decode_attention(a);
+    });
+
+    m.def(
+        "silu_mul",
+        [](std::uintptr_t gate, std::uintptr_t up, int64_t n, std::uintptr_t out, int device, std::uintptr_t stream) {
+            kc::silu_mul(ptr<const void>(gate), ptr<const void>(up), n, ptr<void>(out), device, stream);
+        },
+        py::call_guard<py::gil_scoped_release>());
+}

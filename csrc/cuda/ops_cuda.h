@@ -1,0 +1,93 @@
+// Host-side interface of the CUDA kernels (plain C++ types only, so the pybind11 binding compiles
+// without CUDA headers). Pointers are device addresses; `stream` is a cudaStream_t as an integer;
+// every launcher selects `device`, checks its arguments and every CUDA call, and throws on error.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kb {
+namespace cuda {
+
+struct BuildInfo {
+    int cuda_version;          // CUDART_VERSION at build time, e.g. 13000
+    std::string archs;         // e.g. "80 86 89 90+PTX"
+    std::string nvcc;          // e.g. "13.0"
+    std::string host_compiler; // e.g. "gcc 12.2.0"
+};
+
+BuildInfo build_info();
+int driver_version();   // cudaDriverGetVersion (0 when no driver is installed)
+int runtime_version();  // cudaRuntimeGetVersion of the statically linked runtime
+int device_count();     // 0 when no device or no driver
+
+// Scratch memory owned by the caller, one per (device, stream): `floats` fp32 values and `counters`
+// uint32 values that must be zero before the first launch (kernels leave them zero again).
+struct Workspace {
+    float* data;
+    int64_t floats;
+    uint32_t* counters;
+    int64_t ncounters;
+};
+
+struct GemvArgs {
+    const void* x;  // [M, K] fp16, row stride x_stride
+    int64_t x_stride, m, k;
+    const int64_t* perm;       // [K] or null
+    const uint32_t* qweight;   // [ceil(K/8), N]
+    int64_t n;
+    const void* scales;        // [G, N] fp16
+    const void* zeros;         // [G, N] fp16
+    int64_t group_size, groups;
+    const void* bias;          // [N] fp16 or null
+    void* out;                 // [M, N] fp16
+    Workspace ws;
+    int device;
+    std::uintptr_t stream;
+};
+
+void gptq_gemv(const GemvArgs& a);  // M in 1..8, group_size % 8 == 0, N % 4 == 0
+
+void gptq_dequantize(const uint32_t* qweight, int64_t k, int64_t n, const void* scales, const void* zeros,
+                     int64_t group_size, int64_t groups, void* out, int device, std::uintptr_t stream);
+
+// fp16 rows; weight fp16 (w_dtype 1) or fp32 (w_dtype 0); residual may be null.
+void rms_norm(const void* x, int64_t x_stride, const void* residual, int64_t r_stride, int64_t rows, int64_t d,
+              const void* weight, int w_dtype, float eps, void* y, void* residual_out, int device,
+              std::uintptr_t stream);
+
+struct RopeArgs {
+    const void* q; const void* k; const void* v;  // fp16 [B, T, H, D], last dim contiguous
+    int64_t q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh;
+    int64_t b, t, hq, hkv, d;
+    const void* cos; const void* sin;  // [S, D], fp16 (cs_dtype 1) or fp32 (0)
+    int cs_dtype;
+    int64_t cos_stride, sin_stride, pos;
+    void* k_cache; void* v_cache;      // fp16 [B, Hkv, S, D]
+    int64_t kc_sb, kc_sh, kc_ss, vc_sb, vc_sh, vc_ss;
+    void* q_out;                       // fp16 [B, T, Hq, D] contiguous
+    int device;
+    std::uintptr_t stream;
+};
+
+void rope_cache_write(const RopeArgs& a);
+
+struct AttnArgs {
+    const void* q;  // fp16 [B, Hq, D]
+    int64_t q_sb, q_sh, b, hq, hkv, d;
+    const void* k_cache; const void* v_cache;  // fp16 [B, Hkv, S, D]
+    int64_t kc_sb, kc_sh, kc_ss, vc_sb, vc_sh, vc_ss, seq_len;
+    float scale;
+    void* out;  // fp16 [B, Hq, D] contiguous
+    Workspace ws;
+    int device;
+    std::uintptr_t stream;
+};
+
+void decode_attention(const AttnArgs& a);  // D even, D % 8 == 0, D <= 256
+
+void silu_mul(const void* gate, const void* up, int64_t n, void* out, int device, std::uintptr_t stream);
+
+}  // namespace cuda
+}  // namespace kb
