@@ -1,32 +1,89 @@
-"""The operations the model calls, dispatched to the native extension where it is loaded, else to torch.
+"""The operations the model calls, dispatched per device to the native kernels where loaded, else to torch.
 
-`kobold_backend.ops.reference` defines each op; `kobold_backend.ops.native` loads the compiled kernels.
+`kobold_backend.ops.reference` defines each op; `kobold_backend.ops.native` loads the compiled kernels once
+(on the first op that sees a CPU or CUDA tensor) and each call below only picks the loaded implementation.
 """
 
-from kobold_backend.ops.reference import (
-    add_rms_norm,
-    attention,
-    decode_attention,
-    decode_attention_at,
-    gptq_dequantize,
-    gptq_matmul,
-    linear,
-    rms_norm,
-    rope_cache_write,
-    rope_cache_write_at,
-    silu_mul,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Tuple
+
+import torch
+
+from kobold_backend.ops import native, reference
+from kobold_backend.ops.reference import attention, linear
+
+if TYPE_CHECKING:
+    from kobold_backend.engine.gptq import GPTQWeight
 
 __all__ = [
     "add_rms_norm",
     "attention",
     "decode_attention",
-    "decode_attention_at",
     "gptq_dequantize",
     "gptq_matmul",
     "linear",
     "rms_norm",
     "rope_cache_write",
-    "rope_cache_write_at",
     "silu_mul",
 ]
+
+
+def _kernels(x: torch.Tensor) -> Any:
+    if x.is_cuda:
+        return native.cuda_kernels()
+    if x.is_cpu:
+        return native.cpu_kernels()
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    k = _kernels(x)
+    return reference.rms_norm(x, weight, eps) if k is None else k.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    k = _kernels(x)
+    return reference.add_rms_norm(x, residual, weight, eps) if k is None else k.add_rms_norm(x, residual, weight, eps)
+
+
+def gptq_matmul(x: torch.Tensor, w: GPTQWeight) -> torch.Tensor:
+    k = _kernels(x)
+    return reference.gptq_matmul(x, w) if k is None else k.gptq_matmul(x, w)
+
+
+def gptq_dequantize(w: GPTQWeight) -> torch.Tensor:
+    k = _kernels(w.qweight)
+    return reference.gptq_dequantize(w) if k is None else k.gptq_dequantize(w)
+
+
+def rope_cache_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    kern = _kernels(q)
+    if kern is None:
+        return reference.rope_cache_write(q, k, v, cos, sin, pos, k_cache, v_cache)
+    return kern.rope_cache_write(q, k, v, cos, sin, pos, k_cache, v_cache)
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int, scale: float
+) -> torch.Tensor:
+    k = _kernels(q)
+    if k is None:
+        return reference.decode_attention(q, k_cache, v_cache, seq_len, scale)
+    return k.decode_attention(q, k_cache, v_cache, seq_len, scale)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    k = _kernels(gate)
+    return reference.silu_mul(gate, up) if k is None else k.silu_mul(gate, up)
