@@ -124,3 +124,13 @@ def test_piece_text_keeps_the_leading_space(tok) -> None:
     kind, folder, ours = tok
     (the,) = reference(kind, folder)(" the")[-1:]
     assert ours.piece_text(the) == " the"
+
+
+def test_continuation_stream_keeps_the_space_after_a_prompt(tok) -> None:
+    _, _, ours = tok
+    prompt, reply = ours.encode("Once upon"), ours.encode(" a time there was")
+    decoder = ours.stream_decoder(continuation=True)
+    streamed = "".join(decoder.feed(i) for i in reply) + decoder.flush()
+    whole = ours.decode(prompt + reply)
+    assert streamed == whole[len(ours.decode(prompt)):]
+    assert streamed.startswith(" ")

@@ -66,8 +66,19 @@ class Tokenizer:
             self._token_strings = cached
         return cached
 
-    def stream_decoder(self) -> StreamDecoder:
-        return StreamDecoder(self)
+    def stream_decoder(self, continuation: bool = False) -> StreamDecoder:
+        """A decoder for a token stream. From the start of a text it drops the space the tokenizer adds in
+        front (as `decode` does); with continuation=True (text after a prompt) every space is kept."""
+        return StreamDecoder(self, strip_prefix_space=not continuation and self.adds_prefix_space())
+
+    def adds_prefix_space(self) -> bool:
+        """Whether encoding a text puts a space in front of its first word (sentencepiece's dummy prefix)."""
+        cached = getattr(self, "_adds_prefix_space", None)
+        if cached is None:
+            ids = self.encode("a")
+            cached = bool(ids) and self.token_bytes(ids[0]).startswith(b" ")
+            self._adds_prefix_space = cached
+        return cached
 
     def _valid(self, ids: Iterable[int]) -> List[int]:
         return [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
@@ -76,12 +87,18 @@ class Tokenizer:
 class StreamDecoder:
     """Turns token ids into text pieces, holding back bytes of an unfinished UTF-8 character."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, strip_prefix_space: bool = False) -> None:
         self.tokenizer = tokenizer
         self.pending = b""
+        self.strip_prefix_space = strip_prefix_space
 
     def feed(self, token_id: int) -> str:
-        self.pending += self.tokenizer.token_bytes(token_id)
+        piece = self.tokenizer.token_bytes(token_id)
+        if self.strip_prefix_space and piece:
+            self.strip_prefix_space = False
+            if piece.startswith(b" "):
+                piece = piece[1:]
+        self.pending += piece
         return self._take(final=False)
 
     def flush(self) -> str:

@@ -101,6 +101,14 @@ FIELDS: Tuple[Field, ...] = (
     F("custom_token_bans", "string", "", "Comma-separated token ids that may not be generated."),
     F("banned_tokens", "string_list", (), "Strings that may not appear in the output (at most 48).",
       aliases=("banned_strings",), max_items=MAX_BANNED_STRINGS),
+    F("negative_prompt", "string", "", "Classifier-free guidance: text whose continuation is steered away from "
+      "(used when guidance_scale != 1)."),
+    F("guidance_scale", "number", 1.0, "Classifier-free guidance scale: log p_neg + scale * (log p - log p_neg); "
+      "1 = off.", minimum=0, maximum=100),
+    F("num_beams", "integer", 1, "Beam search width (1 = sample normally; beams are deterministic).", minimum=1,
+      maximum=16),
+    F("beam_length", "integer", 8, "Beam search look-ahead in tokens before a token is committed.", minimum=1,
+      maximum=64),
     F("genkey", "string", "", "Client handle for /api/extra/generate/check and /api/extra/abort."),
     F("grammar", "string", "", "Accepted; GBNF grammars are not supported and are ignored.", used=False),
     F("grammar_retain_state", "boolean", False, "Accepted and ignored.", used=False),
@@ -306,6 +314,8 @@ def parse_generate(body: Any, stream: bool = False) -> GenerateParams:
     if 6 not in order:
         order = (6,) + order
     values["sampler_order"] = order
+    if values["num_beams"] > 1 and values["negative_prompt"] and values["guidance_scale"] != 1.0:
+        raise ValidationFailed({"num_beams": ["Beam search cannot be combined with a negative prompt."]})
     params = GenerateParams(values=values, stream=stream)
     try:
         sampler_settings(params).validate()
@@ -377,6 +387,9 @@ def build_requests(params: GenerateParams, tokenizer: Any, server_context: int, 
     if not prompt_ids:
         raise RequestError("The prompt is empty and this model has no BOS token to start from.", "prompt")
     stops = tuple(params.stop_sequence) + (("\n",) if params.singleline else ())
+    negative: List[int] = []
+    if params.negative_prompt and params.guidance_scale != 1.0:
+        negative = fit_prompt(tokenizer, "", params.negative_prompt, ctx - max_new)
     seed = params.sampler_seed if params.sampler_seed >= 0 else random.getrandbits(63)
     n = 1 if params.stream else params.n
     return [
@@ -384,7 +397,8 @@ def build_requests(params: GenerateParams, tokenizer: Any, server_context: int, 
             prompt_ids=list(prompt_ids), max_new_tokens=max_new, settings=sampler_settings(params),
             stop_strings=stops, ban_eos=params.use_default_badwordsids, bypass_eos=params.bypass_eos,
             seed=(seed + i) % (MAX_SEED + 1), abort=abort, banned_strings=tuple(params.banned_tokens),
-            trim_stop=params.trim_stop,
+            trim_stop=params.trim_stop, negative_prompt_ids=negative, guidance_scale=params.guidance_scale,
+            num_beams=params.num_beams, beam_length=params.beam_length,
         )
         for i in range(n)
     ]
