@@ -37,11 +37,12 @@ class LoraAdapter:
     targets: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]]
 
 
-def _dims(weight: Any) -> Tuple[int, int]:
-    """(in_features, out_features) of a dense [out, in] tensor or a GPTQ layer."""
-    if hasattr(weight, "in_features"):
-        return int(weight.in_features), int(weight.out_features)
-    return int(weight.shape[1]), int(weight.shape[0])
+def projection_dims(config: Any) -> Dict[str, Tuple[int, int]]:
+    """(in_features, out_features) of each projection, from the model config (weights may be fused at load)."""
+    h, i = int(config.hidden_size), int(config.intermediate_size)
+    q, kv = int(config.num_heads * config.head_dim), int(config.num_kv_heads * config.head_dim)
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
 def _check_config(cfg: Dict[str, Any]) -> Tuple[float, bool]:
@@ -87,12 +88,15 @@ def load_lora(folder: Path, model: Any) -> LoraAdapter:
         raise LoraFormatError("adapter_config.json is not a JSON object")
     alpha, rslora = _check_config(cfg)
     num_layers = len(model.layers)
+    dims = projection_dims(model.config)
     pieces: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(weights_path), framework="pt") as f:
-            for key in f.keys():
+            # LoRA keys first, so an adapter on lm_head is refused for its target, not for its saved base weight.
+            for key in sorted(f.keys(), key=lambda k: "lora_" not in k):
                 if "lora_" not in key:
-                    raise LoraFormatError(f"tensor {key} is not a LoRA A/B weight")
+                    raise LoraFormatError(f"tensor {key} is a whole weight, not a LoRA A/B pair (saved embedding "
+                                          "or modules_to_save layers are not supported)")
                 match = _KEY.search(key)
                 if match is None:
                     raise LoraFormatError(f"tensor {key} targets a module kobold_backend cannot apply LoRA to "
@@ -115,7 +119,7 @@ def load_lora(folder: Path, model: Any) -> LoraAdapter:
         if set(ab) != {"A", "B"}:
             raise LoraFormatError(f"layer {layer} {proj} has lora_{''.join(ab)} but not both lora_A and lora_B")
         a, b = ab["A"], ab["B"]
-        in_f, out_f = _dims(getattr(model.layers[layer], proj))
+        in_f, out_f = dims[proj]
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
             raise LoraFormatError(f"layer {layer} {proj}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not "
                                   f"fit a [{out_f}, {in_f}] projection (expected A [r, {in_f}], B [{out_f}, r])")
@@ -148,8 +152,7 @@ class LoraAction(Action):
 def _layout_key(model: Any) -> Tuple[Any, ...]:
     cfg = model.config
     devices = tuple((str(layer.device), str(layer.input_norm.dtype)) for layer in model.layers)
-    dims = tuple(_dims(getattr(model.layers[0], p)) for p in PROJECTIONS) if model.layers else ()
-    return (cfg.num_layers, dims, devices)
+    return (cfg.num_layers, tuple(sorted(projection_dims(cfg).items())), devices)
 
 
 def build_lora(params: Any, ctx: ActionContext) -> LoraAction:
