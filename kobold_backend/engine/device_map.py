@@ -25,6 +25,7 @@ GIB = 1 << 30  # budgets are in GB of 2**30 bytes, as exllama's gpu_split
 DEFAULT_GPU_RESERVE_GIB = 0.5
 DEFAULT_CPU_RESERVE_GIB = 1.0
 PREFILL_CHUNK = 2048  # the most tokens the generator feeds through the model at once
+GPU_LIBRARY_BYTES = 128 << 20  # cuBLAS/cuBLASLt workspaces and kernel scratch, per GPU in use
 PROJECTIONS = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
@@ -400,7 +401,7 @@ def _fill(sizes: Sizes, limits: Dict[str, int], gpus: List[str], head: str, cpu_
     used = {d: 0 for d in gpus}
     if head in used:
         w, b = _head_bytes(sizes, head, embed_dev, gpu_dtype)
-        used[head] = w + b
+        used[head] = w + b + GPU_LIBRARY_BYTES
         if used[head] > limits[head]:
             raise PlanError(
                 f"{head} cannot hold even the embeddings, norm and lm_head ({_gib(used[head])}) within its "
@@ -413,7 +414,7 @@ def _fill(sizes: Sizes, limits: Dict[str, int], gpus: List[str], head: str, cpu_
     for dev in gpus:
         count = 0
         while remaining > 0:
-            extra = per_layer + (first_layer_extra if count == 0 else 0)
+            extra = per_layer + (first_layer_extra + (0 if dev == head else GPU_LIBRARY_BYTES) if count == 0 else 0)
             if used[dev] + extra > limits[dev]:
                 break
             used[dev] += extra
@@ -426,7 +427,9 @@ def _fill(sizes: Sizes, limits: Dict[str, int], gpus: List[str], head: str, cpu_
         if cpu_layers != "auto":
             if last is None:
                 raise PlanError("no GPU budget was given for the layers that are not on the CPU")
-            need = used[last] + remaining * per_layer + (first_layer_extra if last_count == 0 else 0)
+            need = used[last] + remaining * per_layer
+            if last_count == 0:
+                need += first_layer_extra + (0 if last == head else GPU_LIBRARY_BYTES)
             raise PlanError(
                 f"the model does not fit: {remaining} of {n_layers} layers are left after filling "
                 f"{', '.join(f'{d} ({_gib(limits[d])})' for d in gpus)}; {last} would need {_gib(need)}, "
@@ -460,6 +463,9 @@ def _account(sizes: Sizes, layer_devices: List[str], head: str, embed_on_cpu: bo
     if embed_dev != head:
         usage[embed_dev].weight_bytes += sizes.embed(4)
     usage[embed_dev].holds.insert(0, "embed")
+    for d, u in usage.items():
+        if _is_gpu(d):
+            u.buffer_bytes += GPU_LIBRARY_BYTES
     for d, u in usage.items():
         if _pool(d) == d:
             u.budget = limits.get(d)
@@ -792,17 +798,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.stderr.write("measuring a split needs a CUDA GPU\n")
         return 2
     levels = [int(x) for x in args.levels.split(",")]
+    gpu = normalize_device(args.gpu)
+    results: List[Dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kobold-split-") as tmp:
         path = args.model or str(write_synthetic_gptq(Path(tmp) / args.preset, PRESETS[args.preset]))
-        results = [measure_split(path, n, args.gpu, args.max_context, args.prompt, args.context, args.steps)
-                   for n in levels]
-    for r in results:
-        sys.stdout.write(f"cpu layers {r['cpu_layers']:3d}/{r['cpu_layers'] + r['gpu_layers']}: "
-                         f"prompt {r['prompt_tokens_per_s']:9.1f} tok/s, decode {r['decode_tokens_per_s']:7.2f} "
-                         f"tok/s at {r['context']} tokens, GPU peak {r['gpu_peak_bytes'] / GIB:.2f} GiB "
-                         f"(planned {r['planned_bytes'].get(args.gpu, 0) / GIB:.2f} GiB)\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        for n in levels:
+            r = measure_split(path, n, gpu, args.max_context, args.prompt, args.context, args.steps)
+            results.append(r)
+            sys.stdout.write(f"cpu layers {n:3d}/{n + r['gpu_layers']}: prompt {r['prompt_tokens_per_s']:9.1f} tok/s, "
+                             f"decode {r['decode_tokens_per_s']:7.2f} tok/s at {r['context']} tokens, GPU peak "
+                             f"{r['gpu_peak_bytes'] / GIB:.2f} GiB (planned {r['planned_bytes'][gpu] / GIB:.2f} GiB)\n")
+            sys.stdout.flush()
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0
 
 
