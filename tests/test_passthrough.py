@@ -520,3 +520,11 @@ def test_passthrough_never_affects_a_later_request(lm, built, config) -> None:
     longer = prompt + [7, 8, 9]
     greedy(gen, prompt, 16, build_passthrough(spec, lm.model, config))
     assert greedy(gen, longer, 8) == greedy(Generator(fresh.model, fresh.tokenizer, use_graphs=False), longer, 8)
+
+
+def test_guide_view_keeps_only_the_actions_that_change_the_computation(lm, config) -> None:
+    steer = {"vector": [0.1] * 64, "layers": [0]}
+    pt = build_passthrough({"capture": {"layers": [0]}, "steer": steer}, lm.model, config)
+    guide = pt.guide_view()
+    assert guide is not None and guide.names == ["steer"] and guide.actions["steer"] is pt.actions["steer"]
+    assert build_passthrough({"capture": {"layers": [0]}}, lm.model, config).guide_view() is None

@@ -75,10 +75,12 @@ class Action:
     """One named action of a request. Override `after_layer` and/or `linear_delta`; the rest is optional.
 
     `layers` lists the layers whose `after_layer` is called (None: every layer). A hook returns None to leave
-    the tensor unchanged. Hooks run inside the model's inference mode, on the layer's device and dtype.
+    the tensor unchanged. `observe_only` marks actions that never change the computation. Hooks run inside the
+    model's inference mode, on the layer's device and dtype.
     """
 
     layers: Optional[Collection[int]] = None
+    observe_only = False  # True for actions that only record (left out of a CFG negative-prompt lane)
 
     def begin(self, prompt_tokens: int) -> None:
         """Called (when the host knows it) before a run with the number of prompt tokens."""

@@ -39,6 +39,8 @@ class CaptureAction(Action):
     generated token. A call at a position already held (a generator rewind) drops the rows from there on.
     """
 
+    observe_only = True
+
     def __init__(self, ctx: ActionContext, layers: List[int], positions: str, phases: List[str], dtype: str,
                  output: Optional[str], limit: int) -> None:
         self.layers = frozenset(layers)

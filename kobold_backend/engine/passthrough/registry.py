@@ -99,6 +99,12 @@ class ForwardPassthrough:
     def names(self) -> List[str]:
         return list(self.actions)
 
+    def guide_view(self) -> Optional[ForwardPassthrough]:
+        """The actions that change the computation, for a second sequence of the same request (the negative
+        prompt of classifier-free guidance), so that recording actions see the main sequence only."""
+        active = [(n, a) for n, a in self.actions.items() if not getattr(a, "observe_only", False)]
+        return ForwardPassthrough(active, len(self._after)) if active else None
+
     def begin(self, prompt_tokens: int) -> None:
         """Tell the actions how long the prompt of the coming run is (capture uses it to split phases)."""
         for action in self.actions.values():
