@@ -406,7 +406,7 @@ def _fill(sizes: Sizes, limits: Dict[str, int], gpus: List[str], head: str, cpu_
             raise PlanError(
                 f"{head} cannot hold even the embeddings, norm and lm_head ({_gib(used[head])}) within its "
                 f"{_gib(limits[head])} budget: short by {_gib(used[head] - limits[head])}"
-                + ("" if embed_on_cpu else "; keep the embeddings in system RAM (embed on CPU) or raise the budget")
+                + ("" if embed_on_cpu else "; keep the embeddings in system RAM (--embed-on-cpu) or raise the budget")
             )
     remaining = n_layers - fixed_cpu
     counts: List[Tuple[str, int]] = []
@@ -434,7 +434,7 @@ def _fill(sizes: Sizes, limits: Dict[str, int], gpus: List[str], head: str, cpu_
                 f"the model does not fit: {remaining} of {n_layers} layers are left after filling "
                 f"{', '.join(f'{d} ({_gib(limits[d])})' for d in gpus)}; {last} would need {_gib(need)}, "
                 f"short by {_gib(need - limits[last])} (each layer takes {_gib(per_layer)} with its "
-                f"{sizes.max_seq_len}-token cache). Put layers on the CPU (cpu layers 'auto'), lower the "
+                f"{sizes.max_seq_len}-token cache). Put layers on the CPU (--cpu-layers auto), lower the "
                 "context, or raise the budgets."
             )
         spill = remaining
