@@ -13,6 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Callable, List, Optional
 
 from kobold_backend import __version__
+from kobold_backend.engine.device_map import add_split_arguments, split_from_args
 from kobold_backend.errors import KoboldBackendError
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rope-alpha", type=float, default=1.0, help="NTK RoPE alpha (exllama's -a)")
     parser.add_argument("--compress-pos-emb", type=float, default=1.0, help="linear RoPE compression")
     parser.add_argument("--embed-on-cpu", action="store_true", help="keep the embedding table in system RAM")
+    add_split_arguments(parser)
 
 
 def load_from_args(args: argparse.Namespace) -> LoadedModel:
@@ -55,9 +57,11 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
 
         path = ensure_demo_model(progress=stderr_progress("building demo model"))
         log.warning("no --model given: using the built-in demo model at %s", path)
+    layer_devices = split_from_args(args, path, args.max_context)
     return load_model(
         path,
         device=args.device,
+        layer_devices=layer_devices,
         dtype=args.dtype,
         max_seq_len=args.max_context,
         embed_on_cpu=args.embed_on_cpu,

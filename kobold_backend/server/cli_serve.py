@@ -37,6 +37,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="comma-separated origins allowed to call the API from a browser, '*' (default) or none")
     p.add_argument("--max-length", type=int, default=180,
                    help="tokens generated when a request gives no max_length (default: 180)")
+    p.add_argument("--enable-passthrough", action="store_true",
+                   help="accept the per-request `passthrough` field: steering, activation capture, LoRA "
+                        "(docs/passthrough.md); without it such requests get 403")
+    p.add_argument("--vectors-dir", type=Path, default=None, help="control-vector files for passthrough `steer`")
+    p.add_argument("--lora-dir", type=Path, default=None, help="PEFT LoRA adapter folders for passthrough `lora`")
+    p.add_argument("--capture-dir", type=Path, default=None,
+                   help="folder passthrough `capture` may write safetensors files into")
     return p
 
 
@@ -52,6 +59,7 @@ def _is_loopback(host: str) -> bool:
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted."""
     from kobold_backend.cli import stderr_progress
+    from kobold_backend.engine.device_map import split_from_args
     from kobold_backend.server.app import create_app
     from kobold_backend.server.config import ServerConfig
     from kobold_backend.server.engine_holder import EngineHolder
@@ -60,6 +68,17 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.models_dir is not None and not args.models_dir.is_dir():
         log.error("--models-dir %s is not a folder", args.models_dir)
         return 2
+    passthrough = None
+    if args.enable_passthrough:
+        from kobold_backend.engine.passthrough import PassthroughConfig
+
+        for flag, folder in (("--vectors-dir", args.vectors_dir), ("--lora-dir", args.lora_dir),
+                             ("--capture-dir", args.capture_dir)):
+            if folder is not None and not folder.is_dir():
+                log.error("%s %s is not a folder", flag, folder)
+                return 2
+        passthrough = PassthroughConfig(vectors_dir=args.vectors_dir, lora_dir=args.lora_dir,
+                                        capture_output_dir=args.capture_dir)
     load_kwargs = {"device": args.device, "dtype": args.dtype, "max_seq_len": args.max_context,
                    "embed_on_cpu": args.embed_on_cpu, "rope_alpha": args.rope_alpha,
                    "compress_pos_emb": args.compress_pos_emb}
@@ -71,10 +90,13 @@ def run_serve(args: argparse.Namespace) -> int:
         path = ensure_demo_model(progress=stderr_progress("building demo model"))
         holder.demo_path = Path(path).resolve()
         log.warning("no --model given: serving the demo model (random weights, gibberish output) from %s", path)
-    active = holder.load(Path(path), progress=stderr_progress("loading"))
+    layer_devices = split_from_args(args, path, args.max_context)
+    active = holder.load(Path(path), progress=stderr_progress("loading"), layer_devices=layer_devices,
+                         device=args.device)
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
                           cors_origins=tuple(args.cors_origins), max_queue=args.queue,
-                          models_dir=args.models_dir, default_max_length=max(1, args.max_length))
+                          models_dir=args.models_dir, default_max_length=max(1, args.max_length),
+                          passthrough=passthrough)
     if not _is_loopback(args.host) and not config.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                     args.host)
