@@ -96,6 +96,9 @@ class DryPenalty:
         self._match = torch.empty(0, dtype=torch.long, device=device)
         self._ramp = torch.empty(0, dtype=torch.long, device=device)
         self._longest = torch.zeros(vocab_size + 1 if self.active else 0, dtype=torch.long, device=device)
+        # The context again with ids outside the vocabulary as vocab_size (scatter targets).
+        self._slots = torch.empty(0, dtype=torch.long, device=device)
+        self._zero = torch.zeros(1, dtype=torch.float32, device=device)
 
     def window(self, length: int) -> int:
         """How many of the newest tokens DRY looks at."""
@@ -108,10 +111,15 @@ class DryPenalty:
         capacity = max(1024, 2 * length)
         hist = torch.zeros(capacity, dtype=torch.long, device=self.device)
         match = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        slots = torch.zeros(capacity, dtype=torch.long, device=self.device)
         hist[:keep] = self._hist[:keep]
         match[:keep] = self._match[:keep]
-        self._hist, self._match, self._capacity = hist, match, capacity
+        slots[:keep] = self._slots[:keep]
+        self._hist, self._match, self._slots, self._capacity = hist, match, slots, capacity
         self._ramp = torch.arange(1, capacity + 1, dtype=torch.long, device=self.device)
+
+    def _slot(self, token: int) -> int:
+        return token if 0 <= token < self.vocab_size else self.vocab_size
 
     def _text(self, token: int) -> str:
         texts = self._texts
@@ -147,8 +155,9 @@ class DryPenalty:
             return
         self._reserve(self._length, 0)
         if self._length:
-            self._hist[: self._length] = torch.tensor(
-                context, dtype=torch.long, device=self.device
+            self._hist[: self._length] = torch.tensor(context, dtype=torch.long, device=self.device)
+            self._slots[: self._length] = torch.tensor(
+                [self._slot(t) for t in context], dtype=torch.long, device=self.device
             )
         start = max(0, self._length - self.window(self._length) - 1)
         if self._length - start >= 2:
@@ -168,7 +177,8 @@ class DryPenalty:
             return
         self._reserve(length, length - 1)
         token = context[-1]
-        self._hist[length - 1] = token
+        self._hist[length - 1 : length].fill_(token)
+        self._slots[length - 1 : length].fill_(self._slot(token))
         lo = max(0, length - self.window(length) - 1)
         hi = length - 1
         if hi > lo:
@@ -192,20 +202,17 @@ class DryPenalty:
         if rep_limit <= self.allowed:
             return logits
         matches = torch.minimum(self._match[start : length - 1], self._ramp[: w - 1]).clamp_(max=rep_limit)
-        value = torch.where(matches >= self.allowed, matches + 1, torch.zeros_like(matches))
-        followers = self._hist[start + 1 : length]
-        followers = torch.where((followers >= 0) & (followers < self.vocab_size), followers,
-                                torch.full_like(followers, self.vocab_size))
+        value = (matches + 1).masked_fill_(matches < self.allowed, 0)
+        followers = self._slots[start + 1 : length]
         # Per-token maximum over the window through a persistent buffer, touching only these slots.
         longest = self._longest
         longest.index_fill_(0, followers, 0)
         longest.scatter_reduce_(0, followers, value, "amax")
         best = longest[followers]
-        exponent = best - 1 - self.allowed
+        exponent = best - (1 + self.allowed)
         if self.max_exponent > 0:
-            exponent = exponent.clamp(max=self.max_exponent)
-        penalty = self.multiplier * torch.pow(self.base, exponent.to(logits.dtype))
-        penalty = torch.where(best > 0, penalty, torch.zeros_like(penalty))
-        padded = torch.cat((logits, logits.new_zeros(1)))
+            exponent = exponent.clamp_(max=self.max_exponent)
+        penalty = (self.multiplier * torch.pow(self.base, exponent.to(logits.dtype))).masked_fill_(best == 0, 0.0)
+        padded = torch.cat((logits, self._zero))
         padded[followers] = padded[followers] - penalty
         return padded[: self.vocab_size]

@@ -9,7 +9,7 @@ state is gathered for the candidates instead.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 
@@ -57,6 +57,11 @@ class RepetitionPenalty:
             self._curve = torch.tensor(
                 united_curve(rep_pen, self.range, rep_pen_slope), dtype=torch.float32, device=device
             )
+        # KoboldCpp's per-position factors over a full window, oldest first (the newer half gets P).
+        self._halves: Optional[torch.Tensor] = None
+        if mode == "koboldcpp" and rep_pen != 1.0:
+            self._halves = self._half_window(self.range)
+        self._zero = torch.zeros(1, dtype=torch.float32, device=device)
         # Index vocab_size collects ids outside the vocabulary so that no update can go out of bounds.
         self._last_pos = torch.full((vocab_size + 1,), -1, dtype=torch.long, device=device)
         self._counts: Optional[torch.Tensor] = None
@@ -109,12 +114,15 @@ class RepetitionPenalty:
             return
         token = self._slot(context[-1])
         self._reserve(self._length, self._length - 1)
-        self._hist[self._length - 1] = token
-        self._last_pos[token] = self._length - 1
+        # Scalar writes go through fill_/add_ on one-element views: item assignment would copy a host
+        # scalar to the device, which synchronises.
+        self._hist[self._length - 1 : self._length].fill_(token)
+        self._last_pos[token : token + 1].fill_(self._length - 1)
         if self._counts is not None:
-            self._counts[token] += 1.0
+            self._counts[token : token + 1].add_(1.0)
             if self.range > 0 and self._length > self.range:
-                self._counts[self._slot(context[-1 - self.range])] -= 1.0
+                leaving = self._slot(context[-1 - self.range])
+                self._counts[leaving : leaving + 1].sub_(1.0)
 
     def apply(self, c: Candidates) -> None:
         """Penalise the candidates that occur in the window."""
@@ -132,28 +140,44 @@ class RepetitionPenalty:
             c.vals = self._penalise(c.vals, distance, in_window, counts, w)
         c.sorted = False
 
+    def _half_window(self, w: int) -> torch.Tensor:
+        """KoboldCpp: window index i (oldest 0) is in the newer half when 2i >= w."""
+        newer = torch.arange(w, device=self.device) * 2 >= w
+        return torch.full((w,), self.reduced, dtype=torch.float32, device=self.device).masked_fill_(newer, self.rep_pen)
+
+    def _window_factors(self, w: int) -> Union[torch.Tensor, float, None]:
+        """The multiplicative penalty of each window position, oldest first (a float when uniform)."""
+        if self.rep_pen == 1.0:
+            return None
+        if self.mode == "kobold_united":
+            return self.rep_pen if self._curve is None else self._curve[self.range - w :]
+        assert self._halves is not None
+        return self._halves if w == self.range else self._half_window(w)
+
     def _apply_window(self, c: Candidates, length: int, w: int) -> None:
         """Vocabulary order: touch only the window's tokens, each once at its newest position."""
         start = length - w
         tokens = self._hist[start:length]
-        positions = self._positions[start:length]
-        newest = self._last_pos[tokens] == positions
-        index = torch.where(newest, tokens, torch.full_like(tokens, self.vocab_size))
-        padded = torch.cat((c.vals, c.vals.new_zeros(1)))
-        counts = None if self._counts is None else self._counts[index]
-        padded[index] = self._penalise(padded[index], (length - 1) - positions, None, counts, w)
+        newest = self._last_pos[tokens] == self._positions[start:length]
+        index = torch.where(newest, tokens, self.vocab_size)
+        padded = torch.cat((c.vals, self._zero))
+        vals = padded[index]
+        factor = self._window_factors(w)
+        if factor is not None:
+            vals = torch.where(vals <= 0, vals * factor, vals / factor)
+        if self.presence != 0.0:
+            vals = vals - self.presence
+        if self._counts is not None:
+            vals = vals - self.frequency * self._counts[index]
+        padded[index] = vals
         c.vals = padded[: self.vocab_size]
 
     def _penalise(
-        self,
-        vals: torch.Tensor,
-        distance: torch.Tensor,
-        in_window: Optional[torch.Tensor],
-        counts: Optional[torch.Tensor],
+        self, vals: torch.Tensor, distance: torch.Tensor, in_window: torch.Tensor, counts: Optional[torch.Tensor],
         w: int,
     ) -> torch.Tensor:
-        """The slot-6 arithmetic on gathered logits; `in_window` None means every entry is in the window."""
-        inside = torch.ones_like(vals) if in_window is None else in_window.to(vals.dtype)
+        """The slot-6 arithmetic on logits gathered in working order, from each token's newest position."""
+        inside = in_window.to(vals.dtype)
         if self.rep_pen != 1.0:
             if self.mode == "kobold_united":
                 if self._curve is not None:

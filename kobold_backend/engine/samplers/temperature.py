@@ -16,9 +16,8 @@ def greedy(c: Candidates) -> None:
     if c.host:
         c.select(best, now_sorted=True)
         return
-    others = torch.ones_like(c.vals, dtype=torch.bool)
-    others[best] = False
-    c.remove(others, suffix=False)
+    positions = torch.arange(c.vals.numel(), device=c.vals.device)
+    c.remove(positions != best, suffix=False)
 
 
 def smooth(c: Candidates, factor: float) -> None:

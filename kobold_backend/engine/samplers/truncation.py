@@ -51,14 +51,14 @@ def top_p(c: Candidates, p: float) -> None:
             k *= 4
         before = top_probs.cumsum(0) - top_probs
         keep = before < p
-        keep[0] = True
+        keep[:1].fill_(True)
         c.select(positions[keep], now_sorted=True)
         return
     c.sort()
     probs = c.probs64()
     before = probs.cumsum(0) - probs
     remove = before >= p
-    remove[0] = False
+    remove[:1].fill_(False)
     c.remove(remove, suffix=True)
 
 
@@ -89,7 +89,7 @@ def tail_free(c: Candidates, z: float) -> None:
     total = d2.sum()
     cdf = (d2 / total.clamp_min(torch.finfo(d2.dtype).tiny)).cumsum(0)
     remove = torch.ones(n + pad, dtype=torch.bool, device=c.vals.device)
-    remove[0] = False
+    remove[:1].fill_(False)
     remove[1:-1] = (cdf > z) & (total > 0)
     c.remove(remove[:n], suffix=True)
 
@@ -103,7 +103,7 @@ def typical(c: Candidates, tau: float) -> None:
     _, order = torch.sort(deviation, stable=True)
     cum = probs[order].cumsum(0)
     remove_sorted = (cum >= tau).roll(1, 0)
-    remove_sorted[0] = False
+    remove_sorted[:1].fill_(False)
     remove = torch.empty_like(remove_sorted)
     remove[order] = remove_sorted
     c.remove(remove, suffix=False)
