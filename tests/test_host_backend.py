@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kobold_backend import __version__
+from kobold_backend.host.backend import make_model_backend
 from kobold_backend.host.settings import PLUGIN_FOLDER, settings_path
 from kobold_backend.host.shim import write_shim
 from tests import united_harness
@@ -389,6 +390,27 @@ def test_shim_registers_a_disabled_backend_when_the_package_is_broken(
         backend = module.model_backend()
         assert backend.disable and "cannot be imported" in backend.disable_reason
         assert isinstance(backend, united_harness.InferenceModel)
+
+
+def test_standalone_class_outside_united(model_dir: Path, tmp_path: Path) -> None:
+    """make_model_backend(None): the class install-plugin's check and non-United callers get."""
+    backend = make_model_backend(None)()
+    backend.settings_dir = tmp_path
+    assert not backend.disable and backend.capabilties.stopper_hooks
+    assert backend.is_valid(model_dir.name, str(model_dir), "Custom")
+    backend.set_input_parameters({"id": "tiny", "path": str(model_dir), "CPU_Layers": 2, "max_ctx": 256})
+    backend.load()
+    assert backend.model_name == "tiny" and (tmp_path / "tiny.kobold_backend.model_backend.settings").is_file()
+    prompt = backend.tokenizer.encode("Standalone")
+    greedy = GenerationSettings(**GREEDY)
+    result = backend._raw_generate(prompt, 12, greedy, batch_count=2)
+    assert result.is_whole_generation and result.encoded.shape == (2, 12)
+    assert result.decoded == [backend.tokenizer.decode(row) for row in result.encoded]
+    assert len(backend._raw_generate(prompt, 5, None, seed=0).encoded[0]) == 5  # United's defaults
+    line = backend._raw_generate(prompt, 12, greedy, single_line=True)
+    assert "\n" not in line.decoded[0] and list(line.encoded[0]) == backend.tokenizer.encode(line.decoded[0])
+    backend.unload()
+    assert backend.model is None
 
 
 @pytest.mark.gpu
