@@ -7,7 +7,7 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, stream_with_context
 
 from kobold_backend import __version__
-from kobold_backend.server import sse
+from kobold_backend.server import passthrough, sse
 from kobold_backend.server.generation import generation_job
 from kobold_backend.server.queue import Job
 from kobold_backend.server.schemas import parse_generate
@@ -46,9 +46,11 @@ def preloadstory() -> Any:
 @bp.post("/generate/stream")
 def generate_stream() -> Any:
     state = get_state()
-    params = parse_generate(read_json(empty={}), stream=True)
+    body = read_json(empty={})
+    params = parse_generate(body, stream=True)
     state.require_model()
-    job = Job(generation_job(state.holder, params, state.config.default_max_length, state.perf),
+    extra = passthrough.from_body(state, body, params)
+    job = Job(generation_job(state.holder, params, state.config.default_max_length, state.perf, extra),
               genkey=params.genkey, streaming=True)
     state.queue.submit(job)
     disconnected = client_disconnected()

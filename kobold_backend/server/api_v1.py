@@ -7,6 +7,7 @@ from typing import Any
 from flask import Blueprint, jsonify
 
 from kobold_backend.server import models as model_files
+from kobold_backend.server import passthrough
 from kobold_backend.server.errors import ApiError
 from kobold_backend.server.generation import RunResult, generation_job
 from kobold_backend.server.openapi import openapi_document
@@ -23,9 +24,11 @@ bp = Blueprint("api_v1", __name__)
 @bp.post("/generate")
 def generate() -> Any:
     state = get_state()
-    params = parse_generate(read_json(empty={}))
+    body = read_json(empty={})
+    params = parse_generate(body)
     state.require_model()
-    job = Job(generation_job(state.holder, params, state.config.default_max_length, state.perf),
+    extra = passthrough.from_body(state, body, params)
+    job = Job(generation_job(state.holder, params, state.config.default_max_length, state.perf, extra),
               genkey=params.genkey)
     state.queue.submit(job)
     # A job aborted while it waited never ran: it answers one empty, "length" result.

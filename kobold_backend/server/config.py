@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 # KoboldCpp rejects bodies over 32 MB; images in Lite payloads are the only large fields.
 DEFAULT_MAX_CONTENT_LENGTH = 32 * 1024 * 1024
@@ -22,3 +22,4 @@ class ServerConfig:
     max_content_length: int = DEFAULT_MAX_CONTENT_LENGTH
     models_dir: Optional[Path] = None
     default_max_length: int = 180
+    passthrough: Optional[Any] = None  # a PassthroughConfig with --enable-passthrough; None refuses the field

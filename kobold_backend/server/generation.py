@@ -22,10 +22,14 @@ class RunResult:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    passthrough_results: Optional[Dict[str, Any]] = None
 
     def as_kobold(self) -> Dict[str, Any]:
-        return {"text": self.text, "finish_reason": kobold_finish_reason(self.finish_reason),
-                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+        out = {"text": self.text, "finish_reason": kobold_finish_reason(self.finish_reason),
+               "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+        if self.passthrough_results is not None:
+            out["passthrough_results"] = self.passthrough_results
+        return out
 
 
 class PerfStats:
@@ -39,7 +43,7 @@ class PerfStats:
                                      "last_input_count": 0, "last_seed": -1, "stop_reason": -1}
         self.total_gens = 0
 
-    def record(self, stats: Any) -> None:
+    def record(self, stats: Any, passthrough: bool = False) -> None:
         with self.lock:
             self.total_gens += 1
             self.idle_since = time.time()
@@ -50,6 +54,7 @@ class PerfStats:
                 "last_input_count": int(stats.prompt_tokens),
                 "last_seed": -1 if stats.seed is None else int(stats.seed),
                 "stop_reason": STOP_REASON_CODES.get(stats.finish_reason, -1),
+                "passthrough": passthrough,  # the run was eager: no CUDA graph, no prefix reuse
             }
 
     def snapshot(self, queued: int, idle: bool) -> Dict[str, Any]:
@@ -82,7 +87,7 @@ class _SingleLine:
 
 
 def generation_job(holder: Any, params: GenerateParams, default_max_length: int,
-                   perf: PerfStats) -> Callable[[Job], List[RunResult]]:
+                   perf: PerfStats, passthrough: Any = None) -> Callable[[Job], List[RunResult]]:
     """The function the worker runs for one /generate or /generate/stream request."""
 
     def run(job: Job) -> List[RunResult]:
@@ -96,6 +101,7 @@ def generation_job(holder: Any, params: GenerateParams, default_max_length: int,
             if results and job.abort_event.is_set():
                 break
             job.new_run()
+            pt = passthrough.attach(active, req) if passthrough is not None else None
             cut = _SingleLine(params.singleline)
             pieces: List[str] = []
             reason: Optional[str] = None
@@ -108,9 +114,9 @@ def generation_job(holder: Any, params: GenerateParams, default_max_length: int,
                 else:
                     job.emit(text)
             stats = active.generator.stats
-            perf.record(stats)
+            perf.record(stats, passthrough=pt is not None)
             results.append(RunResult("".join(pieces), reason or "length", int(stats.prompt_tokens),
-                                     int(stats.completion_tokens)))
+                                     int(stats.completion_tokens), pt.results() if pt is not None else None))
         return results
 
     return run
