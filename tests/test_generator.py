@@ -172,3 +172,15 @@ def test_beam_cache_holds_the_committed_tokens(lm) -> None:
     follow = gen.generate(GenerationRequest(prompt + out.token_ids, 3, GREEDY, ban_eos=True))
     assert gen.stats.reused_tokens == len(prompt) + 5
     assert follow.token_ids == _reference_greedy(lm, prompt + out.token_ids, 3)[: len(follow.token_ids)]
+
+
+def test_decode_step_with_device_position_matches_forward(lm) -> None:
+    """The graph-capturable step (position as a tensor, attention over a fixed length) equals forward."""
+    model = lm.model
+    ids = torch.tensor([_prompt(lm, 40, 17)])
+    full = model.forward(ids, model.new_cache(), last_only=False)
+    cache = model.new_cache()
+    model.forward(ids[:, :-1], cache)
+    pos = torch.tensor([cache.seq_len])
+    step = model.decode_step(ids[:, -1:], pos, cache, 64)
+    assert torch.allclose(step[0, -1], full[0, -1], atol=1e-5, rtol=1e-5)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Tuple
 import torch
 
 from kobold_backend.ops import native, reference
-from kobold_backend.ops.reference import attention, linear
+from kobold_backend.ops.reference import attention, decode_attention_at, linear, rope_cache_write_at
 
 if TYPE_CHECKING:
     from kobold_backend.engine.gptq import GPTQWeight
@@ -20,11 +20,13 @@ __all__ = [
     "add_rms_norm",
     "attention",
     "decode_attention",
+    "decode_attention_at",
     "gptq_dequantize",
     "gptq_matmul",
     "linear",
     "rms_norm",
     "rope_cache_write",
+    "rope_cache_write_at",
     "silu_mul",
 ]
 
