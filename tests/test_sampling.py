@@ -635,7 +635,7 @@ def test_parse_sequence_breakers() -> None:
 
 def test_benchmark_samplers_reports_every_case() -> None:
     result = benchmark_samplers(512, "cpu", steps=3, context_len=200)
-    for key in ("default_ms", "greedy_ms", "all_united_ms", "all_koboldcpp_ms", "mirostat2_ms"):
+    for key in ("default_ms", "greedy_ms", "lite_defaults_ms", "all_united_ms", "all_koboldcpp_ms", "mirostat2_ms"):
         assert isinstance(result[key], float) and 0.0 < result[key] < 10_000.0
     assert result["vocab_size"] == 512
 

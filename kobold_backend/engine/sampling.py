@@ -314,8 +314,9 @@ def benchmark_samplers(
 ) -> Dict[str, object]:
     """Per-token cost (sample + accept, ms) of default settings vs every sampler on, on random logits.
 
-    The context repeats itself so that the penalties and DRY have work to do. Keys: `default_ms`,
-    `all_united_ms`, `all_koboldcpp_ms`, `mirostat2_ms`, `greedy_ms`, plus the inputs.
+    The context repeats itself so that the penalties and DRY have work to do. Keys: `default_ms` (all off),
+    `greedy_ms`, `lite_defaults_ms` (KoboldAI Lite's usual settings), `all_united_ms` / `all_koboldcpp_ms`
+    (every sampler on, each repetition-penalty rule), `mirostat2_ms`, plus the inputs.
     """
     dev = torch.device(device)
     gen = torch.Generator(device="cpu")
@@ -327,6 +328,8 @@ def benchmark_samplers(
     cases = {
         "default_ms": SamplerSettings(),
         "greedy_ms": SamplerSettings(temperature=0.0),
+        "lite_defaults_ms": SamplerSettings(temperature=0.7, top_k=100, top_p=0.92, rep_pen=1.07,
+                                            rep_pen_range=360, rep_pen_slope=0.7, rep_pen_mode="koboldcpp"),
         "all_united_ms": _benchmark_settings("kobold_united"),
         "all_koboldcpp_ms": _benchmark_settings("koboldcpp"),
         "mirostat2_ms": SamplerSettings(mirostat=2, temperature=0.8, rep_pen=1.1, rep_pen_range=1024,
