@@ -235,6 +235,7 @@ def test_parse_archs_and_gencode() -> None:
         build.parse_archs("ampere")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc is not installed")
 def test_cuda_sources_compile() -> None:
     """Every .cu file and the binding compile (one arch here; the CI script checks the full default list)."""
