@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, Iterable, Optional
 
 from flask import Flask
 
-from kobold_backend.server import api_extra, api_v1, web
+from kobold_backend.server import api_extra, api_v1, openai_api, web
 from kobold_backend.server.auth import install_auth_and_cors
 from kobold_backend.server.config import ServerConfig
 from kobold_backend.server.engine_holder import EngineHolder
@@ -46,6 +46,7 @@ def create_app(config: ServerConfig, engine_holder: EngineHolder, work_queue: Op
     app.register_blueprint(api_v1.bp, url_prefix="/api/v1")
     app.register_blueprint(api_v1.bp, url_prefix="/api/latest", name="api_latest")
     app.register_blueprint(api_extra.bp, url_prefix="/api/extra")
+    app.register_blueprint(openai_api.bp, url_prefix="/v1")
     app.register_blueprint(web.bp)
     app.wsgi_app = _StripTrailingSlash(app.wsgi_app)  # type: ignore[method-assign]
     return app

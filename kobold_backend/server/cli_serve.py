@@ -37,6 +37,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="comma-separated origins allowed to call the API from a browser, '*' (default) or none")
     p.add_argument("--max-length", type=int, default=180,
                    help="tokens generated when a request gives no max_length (default: 180)")
+    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="Jinja2 chat template for /v1/chat/completions, used instead of the model's own")
     p.add_argument("--enable-passthrough", action="store_true",
                    help="accept the per-request `passthrough` field: steering, activation capture, LoRA "
                         "(docs/passthrough.md); without it such requests get 403")
@@ -79,6 +81,16 @@ def run_serve(args: argparse.Namespace) -> int:
                 return 2
         passthrough = PassthroughConfig(vectors_dir=args.vectors_dir, lora_dir=args.lora_dir,
                                         capture_output_dir=args.capture_dir)
+    chat_template = None
+    if args.chat_template is not None:
+        from kobold_backend.server.chat_template import TemplateCompileError, compile_template
+
+        try:
+            chat_template = args.chat_template.read_text(encoding="utf-8")
+            compile_template(chat_template)
+        except (OSError, UnicodeDecodeError, TemplateCompileError) as e:
+            log.error("--chat-template %s: %s", args.chat_template, e)
+            return 2
     load_kwargs = {"device": args.device, "dtype": args.dtype, "max_seq_len": args.max_context,
                    "embed_on_cpu": args.embed_on_cpu, "rope_alpha": args.rope_alpha,
                    "compress_pos_emb": args.compress_pos_emb}
@@ -96,7 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
                           cors_origins=tuple(args.cors_origins), max_queue=args.queue,
                           models_dir=args.models_dir, default_max_length=max(1, args.max_length),
-                          passthrough=passthrough)
+                          passthrough=passthrough, chat_template=chat_template)
     if not _is_loopback(args.host) and not config.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                     args.host)

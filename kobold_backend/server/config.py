@@ -22,4 +22,5 @@ class ServerConfig:
     max_content_length: int = DEFAULT_MAX_CONTENT_LENGTH
     models_dir: Optional[Path] = None
     default_max_length: int = 180
+    chat_template: Optional[str] = None  # Jinja2 source used by /v1/chat/completions instead of the model's own
     passthrough: Optional[Any] = None  # a PassthroughConfig with --enable-passthrough; None refuses the field

@@ -1,0 +1,378 @@
+"""OpenAI-compatible routes under /v1 (models, completions, chat completions, streamed or not) on the same work queue,
+API key and CORS rules as the KoboldAI routes, answering errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue as _queue
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
+
+from kobold_backend.errors import OutOfContextError, RequestError
+from kobold_backend.server import passthrough, sse
+from kobold_backend.server.auth import ALLOWED_HEADERS, _allowed_origin, _key_ok
+from kobold_backend.server.chat_template import ChatFormatter, TemplateCompileError, TemplateRenderError, model_template
+from kobold_backend.server.engine_holder import ActiveModel
+from kobold_backend.server.errors import BUSY_MESSAGE, ApiError
+from kobold_backend.server.openai_schemas import (
+    OpenAIError,
+    OpenAIRequest,
+    chat_lengths,
+    completion_prompt,
+    engine_request,
+    first_seed,
+    openai_finish_reason,
+    parse_chat,
+    parse_completion,
+)
+from kobold_backend.server.queue import POLL_SECONDS, Job, ServiceBusy, WorkQueue
+from kobold_backend.server.state import ServerState, client_disconnected, get_state, read_json
+
+log = logging.getLogger(__name__)
+
+bp = Blueprint("openai", __name__)
+
+OWNER = "kobold_backend"
+CORS_METHODS = "GET, POST, OPTIONS"
+NO_TEMPLATE = ("This model has no chat template (no chat_template in tokenizer_config.json, no chat_template.jinja) "
+               "and the server was started without --chat-template FILE; use /v1/completions or give a template.")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One completion to generate: choice `index` continues prompt `prompt_index` with `seed`."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: List[int]
+    max_new: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class ChoiceResult:
+    index: int
+    text: str
+    finish_reason: str
+    completion_tokens: int
+    passthrough_results: Optional[Dict[str, Any]] = None
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What every chunk and answer of one request repeats."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+    include_usage: bool
+
+
+# -- key, CORS and errors --------------------------------------------------------------------------------------
+
+@bp.before_request
+def _check_key() -> Any:
+    key = get_state().config.api_key
+    if key and request.method != "OPTIONS" and not _key_ok(key):
+        return _error_response(OpenAIError("Incorrect API key provided.", 401, None, "invalid_api_key",
+                                           {"WWW-Authenticate": "Bearer"}))
+    return None
+
+
+@bp.after_request
+def _cors(resp: Any) -> Any:
+    """Like /api, but the preflight's requested headers are allowed as asked: OpenAI's JavaScript client sends
+    its own X-Stainless-* headers."""
+    allowed = _allowed_origin(get_state().config.cors_origins, request.headers.get("Origin"))
+    if allowed is None:
+        return resp
+    resp.headers["Access-Control-Allow-Origin"] = allowed
+    if allowed != "*":
+        resp.headers.add("Vary", "Origin")
+    resp.headers["Access-Control-Allow-Methods"] = CORS_METHODS
+    resp.headers["Access-Control-Allow-Headers"] = request.headers.get("Access-Control-Request-Headers",
+                                                                       ALLOWED_HEADERS)
+    resp.headers["Access-Control-Max-Age"] = "600"
+    return resp
+
+
+def _error_response(e: OpenAIError) -> Response:
+    resp = jsonify(e.body())
+    resp.status_code = e.status
+    for k, v in e.headers.items():
+        resp.headers[k] = v
+    return resp
+
+
+def as_openai_error(e: BaseException) -> OpenAIError:
+    """Every exception a /v1 route can raise, in OpenAI's terms (no traceback: unexpected ones are logged)."""
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, ServiceBusy):
+        return OpenAIError(BUSY_MESSAGE, 503, None, "server_busy", {"Retry-After": "1"})
+    if isinstance(e, TemplateRenderError):
+        return OpenAIError(f"The chat template rejected the messages: {e}", 400, "messages", "chat_template_error")
+    if isinstance(e, TemplateCompileError):
+        return OpenAIError(f"The chat template does not compile: {e}", 500, None, "chat_template_error")
+    if isinstance(e, OutOfContextError):
+        return OpenAIError(str(e), 400, "prompt", "context_length_exceeded")
+    if isinstance(e, RequestError):
+        return OpenAIError(str(e), 400, e.field)
+    if isinstance(e, ApiError):
+        return OpenAIError(e.msg, e.status, None, e.type)
+    if isinstance(e, HTTPException):
+        headers = {k: v for k, v in e.get_headers() if k.lower() != "content-type"}
+        return OpenAIError(e.description or e.name, e.code or 500, None, None, headers)
+    import torch
+
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        log.error("out of GPU memory: %s", e)
+        return OpenAIError("Out of GPU memory.", 507, None, "out_of_memory")
+    log.exception("unhandled error", exc_info=e)
+    return OpenAIError("Internal server error.", 500)
+
+
+@bp.errorhandler(Exception)
+def _error(e: Exception) -> Any:
+    return _error_response(as_openai_error(e))
+
+
+# -- models ------------------------------------------------------------------------------------------------------
+
+def _model_card(state: ServerState, active: ActiveModel) -> Dict[str, Any]:
+    return {"id": active.name, "object": "model", "created": int(state.perf.started), "owned_by": OWNER}
+
+
+@bp.get("/models")
+def list_models() -> Any:
+    state = get_state()
+    active = state.holder.active
+    return jsonify({"object": "list", "data": [] if active is None else [_model_card(state, active)]})
+
+
+@bp.get("/models/<path:model_id>")
+def get_model(model_id: str) -> Any:
+    state = get_state()
+    active = state.holder.active
+    if active is None or model_id != active.name:
+        raise OpenAIError(f"The model '{model_id}' does not exist.", 404, "model", "model_not_found")
+    return jsonify(_model_card(state, active))
+
+
+@bp.route("/<path:rest>", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+def unknown(rest: str) -> Any:
+    """OpenAI's shape for the paths under /v1 that are not served (405 when only the method is wrong)."""
+    methods = {m for rule in current_app.url_map.iter_rules() if rule.rule == request.path
+               for m in rule.methods or ()}
+    if methods:
+        raise MethodNotAllowed(sorted(methods))
+    raise NotFound(f"Unknown route: {request.method} {request.path}.")
+
+
+# -- completions -------------------------------------------------------------------------------------------------
+
+@bp.post("/completions")
+def completions() -> Any:
+    body = read_json(empty={})
+    return _serve(parse_completion(body), body)
+
+
+@bp.post("/chat/completions")
+def chat_completions() -> Any:
+    body = read_json(empty={})
+    return _serve(parse_chat(body), body)
+
+
+def _formatter(state: ServerState, active: ActiveModel) -> ChatFormatter:
+    source = state.config.chat_template or model_template(active.path)
+    if source is None:
+        raise OpenAIError(NO_TEMPLATE, 400, "messages", "no_chat_template")
+    return ChatFormatter(source, active.tokenizer, active.path)
+
+
+def _plan(state: ServerState, active: ActiveModel, req: OpenAIRequest) -> List[Choice]:
+    """The choices in answer order: prompt p's j-th choice has index p * n + j and seed first_seed + j."""
+    params = req.params
+    if req.chat:
+        formatter = _formatter(state, active)
+        ids = formatter.encode(formatter.render(req.messages))
+        prompts = [(ids, chat_lengths(params, ids, active.max_context))]
+    else:
+        prompts = [completion_prompt(params, p, active.tokenizer, active.max_context) for p in req.prompts]
+    seed = first_seed(params)
+    n = params.n
+    return [Choice(p * n + j, p, ids, max_new, seed + j) for p, (ids, max_new) in enumerate(prompts)
+            for j in range(n)]
+
+
+def _job(state: ServerState, active: ActiveModel, req: OpenAIRequest, plan: List[Choice], channel: _queue.Queue,
+         extra: Optional[passthrough.RequestPassthrough]) -> Callable[[Job], List[ChoiceResult]]:
+    """The worker's side: the choices one after another; text and ends also go to `channel` for streaming."""
+
+    def run(job: Job) -> List[ChoiceResult]:
+        if state.holder.active is not active:
+            raise OpenAIError("The model was changed while this request waited; send it again.", 503, None,
+                              "model_changed")
+        results: List[ChoiceResult] = []
+        for choice in plan:
+            if results and job.abort_event.is_set():
+                break
+            job.new_run()
+            gen_req = engine_request(req.params, choice.prompt_ids, choice.max_new, choice.seed, job.abort_event)
+            pt = extra.attach(active, gen_req) if extra is not None else None
+            pieces: List[str] = []
+            reason: Optional[str] = None
+            for ev in active.generator.stream(gen_req):
+                if ev.text:
+                    pieces.append(ev.text)
+                    job.emit(ev.text)
+                    channel.put(("text", choice.index, ev.text))
+                if ev.finish_reason is not None:
+                    reason = ev.finish_reason
+            stats = active.generator.stats
+            state.perf.record(stats, passthrough=pt is not None)
+            result = ChoiceResult(choice.index, "".join(pieces), openai_finish_reason(reason),
+                                  int(stats.completion_tokens), pt.results() if pt is not None else None)
+            channel.put(("end", result.index, result))
+            results.append(result)
+        return results
+
+    return run
+
+
+def _serve(req: OpenAIRequest, body: Dict[str, Any]) -> Any:
+    state = get_state()
+    active = state.require_model()
+    extra = passthrough.from_body(state, body, req.params)
+    plan = _plan(state, active, req)
+    channel: _queue.Queue = _queue.Queue()
+    job = Job(_job(state, active, req, plan, channel, extra), genkey=req.params.genkey)
+    state.queue.submit(job)
+    disconnected = client_disconnected()
+    meta = Meta(id=("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex, created=int(time.time()),
+                model=active.name, chat=req.chat, include_usage=req.include_usage)
+    if not req.stream:
+        results = job.wait(disconnected) or []
+        return jsonify(_answer(meta, plan, results))
+    events = _events(job, channel, disconnected)
+    try:
+        # Errors before the first event (a bad token id, a swapped model) still get a status and a JSON body.
+        first = next(events, None)
+    except BaseException:
+        state.queue.cancel(job)
+        raise
+    body = _stream(meta, plan, first, events, job, state.queue)
+    return Response(stream_with_context(body), mimetype=sse.MIMETYPE, headers=sse.HEADERS)
+
+
+# -- answers -----------------------------------------------------------------------------------------------------
+
+def _usage(plan: List[Choice], results: List[ChoiceResult]) -> Dict[str, int]:
+    """Each prompt counts once however many choices continue it."""
+    prompt = sum({c.prompt_index: len(c.prompt_ids) for c in plan}.values())
+    completion = sum(r.completion_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _answer(meta: Meta, plan: List[Choice], results: List[ChoiceResult]) -> Dict[str, Any]:
+    """The non-streamed answer; a choice that never ran (its request was aborted) is empty with "length"."""
+    by_index = {r.index: r for r in results}
+    choices = []
+    for c in plan:
+        r = by_index.get(c.index, ChoiceResult(c.index, "", "length", 0))
+        choice: Dict[str, Any]
+        if meta.chat:
+            choice = {"index": r.index, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+                      "finish_reason": r.finish_reason}
+        else:
+            choice = {"text": r.text, "index": r.index, "logprobs": None, "finish_reason": r.finish_reason}
+        if r.passthrough_results is not None:
+            choice["passthrough_results"] = r.passthrough_results
+        choices.append(choice)
+    return {"id": meta.id, "object": "chat.completion" if meta.chat else "text_completion", "created": meta.created,
+            "model": meta.model, "choices": choices, "usage": _usage(plan, results)}
+
+
+def format_chunk(meta: Meta, choices: List[Dict[str, Any]], usage: Optional[Dict[str, int]] = None) -> bytes:
+    """One server-sent event: `data: {json}` and a blank line. With include_usage every chunk has "usage"
+    (null but in the last one), as OpenAI sends it."""
+    obj: Dict[str, Any] = {"id": meta.id, "object": "chat.completion.chunk" if meta.chat else "text_completion",
+                           "created": meta.created, "model": meta.model, "choices": choices}
+    if meta.include_usage:
+        obj["usage"] = usage
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _choice_chunk(meta: Meta, index: int, text: Optional[str], finish_reason: Optional[str],
+                  role: bool = False) -> bytes:
+    if meta.chat:
+        delta: Dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+        if text:
+            delta["content"] = text
+        choice: Dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"text": text or "", "index": index, "logprobs": None, "finish_reason": finish_reason}
+    return format_chunk(meta, [choice])
+
+
+def _events(job: Job, channel: _queue.Queue, disconnected: Callable[[], bool]) -> Iterator[Tuple[Any, ...]]:
+    """The job's ("text", index, text) and ("end", index, ChoiceResult) items until it is done; the job's error
+    is raised here; a client that goes away aborts the job."""
+    while True:
+        try:
+            item = channel.get(timeout=POLL_SECONDS)
+        except _queue.Empty:
+            item = None
+        if item is not None:
+            yield item
+            continue
+        if disconnected():
+            job.abort_event.set()
+            return
+        if job.done_event.is_set() and channel.empty():
+            if job.error is not None:
+                raise job.error
+            return
+
+
+def _stream(meta: Meta, plan: List[Choice], first: Optional[Tuple[Any, ...]], rest: Iterator[Tuple[Any, ...]],
+            job: Job, work: WorkQueue) -> Iterator[bytes]:
+    """The SSE body: per choice (chat: a first chunk with the role) text chunks, a chunk with finish_reason; a usage
+    chunk when asked for; `data: [DONE]`. Closing it early (the client went away) aborts the job."""
+    started = set()
+    results: List[ChoiceResult] = []
+    try:
+        for kind, index, payload in _chain(first, rest):
+            if meta.chat and index not in started:
+                started.add(index)
+                yield _choice_chunk(meta, index, None, None, role=True)
+            if kind == "text":
+                yield _choice_chunk(meta, index, payload, None)
+            else:
+                results.append(payload)
+                yield _choice_chunk(meta, index, None, payload.finish_reason)
+        if meta.include_usage:
+            yield format_chunk(meta, [], _usage(plan, results))
+        yield DONE
+    except Exception as e:  # noqa: BLE001 - the status is sent: the error goes into the stream instead
+        yield b"data: " + json.dumps(as_openai_error(e).body()).encode() + b"\n\n"
+        yield DONE
+    finally:
+        if not job.done_event.is_set():
+            work.cancel(job)
+
+
+def _chain(first: Optional[Tuple[Any, ...]], rest: Iterator[Tuple[Any, ...]]) -> Iterator[Tuple[Any, ...]]:
+    if first is not None:
+        yield first
+    yield from rest

@@ -1,0 +1,288 @@
+"""Bodies of the OpenAI-compatible routes: OpenAI's names (and the KoboldCpp names SillyTavern mixes in) are mapped
+onto the KoboldAI field table of schemas.py, so validation and sampler settings are the same as on /api; OpenAI's
+error shape; the engine requests for each choice."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from kobold_backend.server.schemas import (
+    FIELDS,
+    MAX_SEED,
+    GenerateParams,
+    ValidationFailed,
+    effective_lengths,
+    fit_prompt,
+    parse_generate,
+    sampler_settings,
+)
+
+# OpenAI / SillyTavern names -> the KoboldAI field they set; the first one present wins, then the field's own
+# name and aliases.
+RENAMES: Dict[str, Tuple[str, ...]] = {
+    "max_length": ("max_tokens", "max_completion_tokens", "max_new_tokens"),
+    "stop_sequence": ("stop", "stopping_strings"),
+    "sampler_seed": ("seed",),
+    "typical": ("typical_p",),
+    "mirostat": ("mirostat_mode",),
+    "use_default_badwordsids": ("ignore_eos",),
+}
+# KoboldAI fields that do not apply: the prompt comes from prompt/messages, stop strings are always cut from the
+# output, and `logprobs` means something else in OpenAI's API.
+EXCLUDED = frozenset({"prompt", "memory", "singleline", "trim_stop", "logprobs"})
+# OpenAI's sampling defaults (KoboldCpp's top-k 100 / top-p 0.92 / temperature 0.7 apply on /api only).
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_PROMPTS = 16  # prompts in one /v1/completions list
+ROLES = ("system", "user", "assistant")
+
+
+class OpenAIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[Dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    @property
+    def type(self) -> str:
+        if self.status >= 500:
+            return "server_error"
+        return "invalid_request_error"
+
+    def body(self) -> Dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str, code: Optional[str] = None) -> OpenAIError:
+    return OpenAIError(message, 400, param, code)
+
+
+Prompt = Union[str, List[int]]
+
+
+@dataclass
+class OpenAIRequest:
+    """A validated /v1/completions or /v1/chat/completions body."""
+
+    chat: bool
+    params: GenerateParams
+    prompts: List[Prompt] = field(default_factory=list)
+    messages: List[Dict[str, Any]] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+# -- validation -------------------------------------------------------------------------------------------
+
+def _flag(body: Dict[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise invalid(key, f"'{key}' must be a boolean.")
+    return value
+
+
+def _sampler_params(body: Dict[str, Any], default_max_tokens: Optional[int]) -> GenerateParams:
+    """The KoboldAI fields of the body, validated by schemas.parse_generate; errors name the key as sent."""
+    kobold: Dict[str, Any] = {"prompt": ""}
+    sent_as: Dict[str, str] = {}
+    for f in FIELDS:
+        if f.name in EXCLUDED:
+            continue
+        renamed = next((k for k in RENAMES.get(f.name, ()) if body.get(k) is not None), None)
+        if renamed is not None:
+            kobold[f.name] = body[renamed]
+            sent_as[f.name] = renamed
+            continue
+        for key in (f.name, *f.aliases):
+            if body.get(key) is not None:
+                kobold[key] = body[key]
+    present = {k for k in kobold if k != "prompt"}
+    for name, value in OPENAI_DEFAULTS.items():
+        if name not in present:
+            kobold[name] = value
+    if "max_length" not in present and default_max_tokens is not None:
+        kobold["max_length"] = default_max_tokens
+    try:
+        return parse_generate(kobold)
+    except ValidationFailed as e:
+        items = [(sent_as.get(k, k), msgs) for k, msgs in e.errors.items()]
+        message = " ".join(f"Invalid '{k}': {' '.join(msgs)}" for k, msgs in items)
+        raise invalid(items[0][0], message) from None
+
+
+def _unsupported(body: Dict[str, Any]) -> None:
+    """Reject what this server cannot do instead of silently ignoring it."""
+    if body.get("echo"):
+        raise invalid("echo", "'echo' is not supported; send echo=false (or leave it out).")
+    if body.get("suffix"):
+        raise invalid("suffix", "'suffix' (insertion) is not supported.")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise invalid("best_of", "'best_of' is not supported; use n.")
+    for key in ("logprobs", "top_logprobs"):
+        if body.get(key):
+            raise invalid(key, f"'{key}' is not supported.")
+    for key in ("tools", "functions"):
+        if body.get(key):
+            raise invalid(key, f"'{key}' (tool calling) is not supported.")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise invalid("response_format", "Only response_format {\"type\": \"text\"} is supported.")
+
+
+def _common(body: Any) -> Tuple[Dict[str, Any], bool, bool]:
+    if not isinstance(body, dict):
+        raise invalid("body", "The request body must be a JSON object.")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid("model", "'model' must be a string.")
+    _unsupported(body)
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise invalid("stream_options", "'stream_options' must be an object.")
+        if not stream:
+            raise invalid("stream_options", "'stream_options' is only allowed with stream=true.")
+        include_usage = _flag(options, "include_usage")
+    return body, stream, include_usage
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                             for i in value)
+
+
+def _prompts(value: Any) -> List[Prompt]:
+    """prompt: a string, a list of strings, a list of token ids or a list of lists of token ids."""
+    if isinstance(value, str):
+        return [value]
+    if _is_ids(value):
+        return [list(value)]
+    if isinstance(value, list) and value and all(isinstance(p, str) or _is_ids(p) for p in value):
+        if len(value) > MAX_PROMPTS:
+            raise invalid("prompt", f"At most {MAX_PROMPTS} prompts per request.")
+        return [p if isinstance(p, str) else list(p) for p in value]
+    if value is None:
+        raise invalid("prompt", "'prompt' is required.")
+    raise invalid("prompt", "'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                            "lists of token ids.")
+
+
+def parse_completion(body: Any) -> OpenAIRequest:
+    """Validate a /v1/completions body."""
+    body, stream, include_usage = _common(body)
+    prompts = _prompts(body.get("prompt"))
+    params = _sampler_params(body, COMPLETION_MAX_TOKENS)
+    return OpenAIRequest(False, params, prompts=prompts, stream=stream, include_usage=include_usage)
+
+
+def _content(i: int, message: Dict[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise invalid(f"messages[{i}].content[{j}]", "Only {\"type\": \"text\", \"text\": ...} content "
+                                                             "parts are supported.")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise invalid(f"messages[{i}].content", "'content' must be a string or a list of text parts.")
+
+
+def parse_messages(value: Any) -> List[Dict[str, Any]]:
+    """Messages as the chat template sees them: role (system, user, assistant; developer reads as system),
+    content as one string, and name when given."""
+    if not isinstance(value, list) or not value:
+        raise invalid("messages", "'messages' must be a non-empty list.")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise invalid(f"messages[{i}]", "Each message must be an object.")
+        role = message.get("role")
+        role = "system" if role == "developer" else role
+        if role not in ROLES:
+            raise invalid(f"messages[{i}].role", f"'role' must be one of {', '.join(ROLES)}; got {role!r}.")
+        item: Dict[str, Any] = {"role": role, "content": _content(i, message)}
+        name = message.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise invalid(f"messages[{i}].name", "'name' must be a string.")
+            item["name"] = name
+        out.append(item)
+    return out
+
+
+def parse_chat(body: Any) -> OpenAIRequest:
+    """Validate a /v1/chat/completions body (max_tokens defaults to the rest of the context)."""
+    body, stream, include_usage = _common(body)
+    messages = parse_messages(body.get("messages"))
+    params = _sampler_params(body, None)
+    return OpenAIRequest(True, params, messages=messages, stream=stream, include_usage=include_usage)
+
+
+# -- prompts and engine requests ------------------------------------------------------------------------------
+
+def completion_prompt(params: GenerateParams, prompt: Prompt, tokenizer: Any, server_context: int) -> Tuple[
+        List[int], int]:
+    """(prompt ids, max_new_tokens) of one completion prompt, fitted like the KoboldAI routes: max_tokens is
+    clamped so min(context - 4, 16) tokens stay for the prompt, which loses tokens from its front (BOS kept)."""
+    ctx, max_new = effective_lengths(params, server_context, COMPLETION_MAX_TOKENS)
+    budget = ctx - max_new
+    if isinstance(prompt, str):
+        ids = fit_prompt(tokenizer, "", prompt, budget)
+    else:
+        ids = list(prompt)
+        if len(ids) > budget:
+            bos = getattr(tokenizer, "bos_id", None)
+            head = ids[:1] if bos is not None and ids[0] == bos else []
+            ids = head + ids[len(ids) - (budget - len(head)):]
+    if not ids:
+        raise invalid("prompt", "The prompt is empty and this model has no BOS token to start from.")
+    return ids, max_new
+
+
+def chat_lengths(params: GenerateParams, prompt_ids: List[int], server_context: int) -> int:
+    """max_new_tokens of a chat prompt: max_tokens (default: the rest of the context), at most what fits."""
+    ctx = server_context if params.max_context_length is None else min(params.max_context_length, server_context)
+    room = ctx - len(prompt_ids)
+    if room < 1:
+        raise OpenAIError(f"This model's context holds {ctx} tokens, but the messages take {len(prompt_ids)}.",
+                          400, "messages", "context_length_exceeded")
+    return room if params.max_length is None else min(params.max_length, room)
+
+
+def first_seed(params: GenerateParams) -> int:
+    """sampler_seed/seed, or a random one; choice j of every prompt uses first_seed + j."""
+    seed = params.sampler_seed
+    return seed if seed >= 0 else random.getrandbits(63)
+
+
+def engine_request(params: GenerateParams, prompt_ids: List[int], max_new: int, seed: int, abort: Any) -> Any:
+    """The GenerationRequest of one choice: the KoboldAI sampler settings, stop strings cut from the output."""
+    from kobold_backend.engine.generator import GenerationRequest
+
+    return GenerationRequest(
+        prompt_ids=list(prompt_ids), max_new_tokens=max_new, settings=sampler_settings(params),
+        stop_strings=tuple(params.stop_sequence), ban_eos=params.use_default_badwordsids,
+        bypass_eos=params.bypass_eos, seed=seed % (MAX_SEED + 1), abort=abort,
+        banned_strings=tuple(params.banned_tokens), trim_stop=True,
+    )
+
+
+def openai_finish_reason(reason: Optional[str]) -> str:
+    """"stop" for EOS and stop strings; "length" for the token limit (and an aborted generation)."""
+    return "stop" if reason in ("stop", "stop_string") else "length"
