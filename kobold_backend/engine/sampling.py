@@ -28,6 +28,7 @@ from kobold_backend.errors import RequestError
 
 __all__ = ["REP_PEN_MODES", "SamplerSettings", "Sampler", "parse_sequence_breakers", "benchmark_samplers"]
 
+MAX_MAGNITUDE = 1e6  # larger settings only overflow float32 arithmetic on the device
 REP_PEN_MODES = ("kobold_united", "koboldcpp")
 SAMPLER_IDS = {0: "top_k", 1: "top_a", 2: "top_p/min_p", 3: "tfs", 4: "typical", 5: "temperature", 6: "rep_pen"}
 LOGIT_BIAS_LIMIT = 100.0
@@ -85,6 +86,8 @@ class SamplerSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise RequestError(f"{name} must be a finite number", name)
+            if abs(value) > MAX_MAGNITUDE:
+                raise RequestError(f"{name} must be between -{MAX_MAGNITUDE:g} and {MAX_MAGNITUDE:g}", name)
         for name in _INT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
