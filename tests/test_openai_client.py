@@ -1,9 +1,11 @@
 """The official `openai` Python package against a real server on 127.0.0.1 (waitress, ephemeral port): models,
 completions and chat completions streamed and not, stop strings, seeds, n, usage, the client's exception types
-(400, 401, 503 for a full queue), and a closed stream aborting its generation."""
+(400, 401, 503 for a full queue), a closed stream aborting its generation, and `serve --chat-template FILE`."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,9 +15,11 @@ import pytest
 import requests
 
 from tests.server_helpers import live_server, make_app
-from tests.test_openai_chat_template import LLAMA2, with_template
+from tests.test_openai_chat_template import LLAMA2, LLAMA3, with_template
+from tests.test_server_cli import REPO, free_port, start_serve, stop
 
 openai = pytest.importorskip("openai")
+AutoTokenizer = pytest.importorskip("transformers").AutoTokenizer
 
 PROMPT = "The old lighthouse keeper climbed the stairs"
 MESSAGES: List[Dict[str, Any]] = [{"role": "system", "content": "You keep the light."},
@@ -215,3 +219,32 @@ def test_full_queue_is_503_and_closing_a_stream_aborts(chat_dir: Path) -> None:
         assert isinstance(result.get("error"), openai.APITimeoutError)
         wait_for(lambda: perf(srv)["idle"] == 1, timeout=3)
         assert perf(srv)["last_token_count"] < 50
+
+
+def test_serve_chat_template_option(checkpoints: Any, tmp_path: Path) -> None:
+    """`kobold-backend serve --chat-template FILE` on a model without a template; a broken file stops serve."""
+    model = checkpoints.get("dense_fp32").path
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    run = subprocess.run([sys.executable, "-m", "kobold_backend.cli", "serve", "--model", str(model),
+                          "--chat-template", str(broken), "--port", str(free_port())],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--chat-template" in run.stderr and "line 1" in run.stderr
+    template = tmp_path / "llama3.jinja"
+    template.write_text(LLAMA3)
+    proc, url, _ = start_serve(["--model", str(model), "--chat-template", str(template), "--device", "cpu",
+                                "--max-context", "256", "--port", str(free_port())])
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(model="m", prompt="x", max_tokens=0)
+        assert bad.value.param == "max_tokens"
+        reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=3, **GREEDY)
+        assert reply.usage.completion_tokens == 3
+        ids = AutoTokenizer.from_pretrained(str(model)).apply_chat_template(
+            [{"role": "user", "content": "Hi"}], chat_template=LLAMA3, add_generation_prompt=True, tokenize=True,
+            return_dict=False)
+        assert reply.usage.prompt_tokens == len(ids)
+    finally:
+        assert stop(proc) == 0
