@@ -209,6 +209,24 @@ def test_decode_attention_strided_query(kernels: native.CpuKernels) -> None:
     assert_close_rel(kernels.decode_attention(q, kc, vc, 9, 0.25), ref, 2e-5)
 
 
+@pytest.mark.parametrize("pos,length", [(0, 16), (9, 16), (15, 16)])
+def test_position_tensor_variants(kernels: native.CpuKernels, pos: int, length: int) -> None:
+    """rope_cache_write_at / decode_attention_at (graph decode) match reference.py's definitions."""
+    q, k, v = (random((1, 1, 4, 32), torch.float32, seed=i) for i in range(3))
+    k, v = k[:, :, :2], v[:, :, :2]
+    cos, sin = (t.float() for t in rope_tables(16, 32))
+    kc, vc = random((1, 2, 16, 32), torch.float32, seed=7), random((1, 2, 16, 32), torch.float32, seed=8)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    p = torch.tensor([pos])
+    q_rot = kernels.rope_cache_write_at(q, k, v, cos, sin, p, kc, vc)
+    q_ref = reference.rope_cache_write_at(q, k, v, cos, sin, p, kc_ref, vc_ref)
+    assert_close_rel(q_rot, q_ref, 2e-6, "rope_cache_write_at")
+    assert_close_rel(kc, kc_ref, 2e-6, "k cache")
+    assert torch.equal(vc, vc_ref)
+    got = kernels.decode_attention_at(q_rot[:, 0], kc, vc, p, length, 0.2, out=poisoned((1, 4, 32), torch.float32))
+    assert_close_rel(got, reference.decode_attention_at(q_ref[:, 0], kc_ref, vc_ref, p, length, 0.2), 2e-5)
+
+
 # ---------------------------------------------------------------------------------------------- SiLU
 
 
@@ -253,6 +271,9 @@ def test_ops_dispatch_cpu_tensors_to_the_native_kernels(kernels: native.CpuKerne
     kc, vc = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
     ops.rope_cache_write(q, q, q, cos, sin, 0, kc, vc)
     ops.decode_attention(q[:, 0], kc, vc, 1, 0.3)
+    ops.rope_cache_write_at(q, q, q, cos, sin, torch.tensor([1]), kc, vc)
+    ops.decode_attention_at(q[:, 0], kc, vc, torch.tensor([1]), 4, 0.3)
+    assert calls.count("rope_cache_write") == 2 and calls.count("decode_attention") == 2
     assert sorted(set(calls)) == sorted(
         ["gptq_gemv", "gptq_dequantize", "rms_norm", "silu_mul", "rope_cache_write", "decode_attention"]
     )

@@ -158,6 +158,30 @@ def test_decode_attention(kernels: native.CudaKernels, b: int, hq: int, hkv: int
     assert_close_rel(y, ref, TOL, f"decode_attention seq={seq}")
 
 
+@pytest.mark.parametrize("pos,length", [(0, 256), (255, 256), (1000, 4096), (4095, 4096), (5000, 8192)])
+def test_position_tensor_variants(kernels: native.CudaKernels, pos: int, length: int) -> None:
+    """rope_cache_write_at / decode_attention_at read the position on the device and mask what follows it."""
+    s = 8192
+    qkv = random((1, 1, 48 * 128), F16, seed=pos, device="cuda")
+    q, k, v = qkv[..., :4096].view(1, 1, 32, 128), qkv[..., 4096:5120].view(1, 1, 8, 128), \
+        qkv[..., 5120:].view(1, 1, 8, 128)
+    cos64, sin64 = rope_tables(s, 128)
+    cos, sin = cos64.half().cuda(), sin64.half().cuda()
+    kc = random((1, 8, s, 128), F16, seed=1, device="cuda")
+    vc = random((1, 8, s, 128), F16, seed=2, device="cuda")
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    p = torch.tensor([pos], device="cuda")
+    q_rot = kernels.rope_cache_write_at(q, k, v, cos, sin, p, kc, vc, out=poisoned((1, 1, 32, 128), F16, "cuda"))
+    q_ref = reference.rope_cache_write_at(q, k, v, cos, sin, p, kc_ref, vc_ref)
+    assert_close_rel(q_rot, q_ref, TOL, "rope_cache_write_at")
+    assert_close_rel(kc, kc_ref, TOL, "k cache")
+    assert torch.equal(vc, vc_ref)
+    got = kernels.decode_attention_at(q_rot[:, 0], kc, vc, p, length, 0.088, out=poisoned((1, 32, 128), F16, "cuda"))
+    ref = reference.decode_attention(q_ref[:, 0].cpu().double(), kc_ref[:, :, : pos + 1].cpu().double(),
+                                     vc_ref[:, :, : pos + 1].cpu().double(), pos + 1, 0.088)
+    assert_close_rel(got, ref, TOL, "decode_attention_at")
+
+
 def test_decode_attention_strided_query(kernels: native.CudaKernels) -> None:
     q4 = random((2, 3, 8, 128), F16, seed=1, device="cuda")
     kc, vc = random((2, 4, 300, 128), F16, seed=2, device="cuda"), random((2, 4, 300, 128), F16, seed=3, device="cuda")
@@ -218,3 +242,44 @@ def test_cuda_graph_capture_and_replay(kernels: native.CudaKernels) -> None:
         ref = reference.decode_attention(q.cpu().double(), kc[:, :, :4000].cpu().double(),
                                          vc[:, :, :4000].cpu().double(), 4000, 0.088)
         assert_close_rel(a, ref, TOL, "graph attention")
+
+
+def test_cuda_graph_decode_with_a_position_tensor(kernels: native.CudaKernels) -> None:
+    """One captured RoPE + cache write + attention step replayed at several positions (the graph-decode path)."""
+    s, length = 4096, 4096
+    q, k, v = (random((1, 1, 32, 128), F16, seed=i, device="cuda") for i in range(3))
+    cos64, sin64 = rope_tables(s, 128)
+    cos, sin = cos64.half().cuda(), sin64.half().cuda()
+    kc = random((1, 32, s, 128), F16, seed=5, device="cuda")
+    vc = random((1, 32, s, 128), F16, seed=6, device="cuda")
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    pos = torch.zeros(1, dtype=torch.int64, device="cuda")
+    q_rot = torch.empty(1, 1, 32, 128, dtype=F16, device="cuda")
+    a = torch.empty(1, 32, 128, dtype=F16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+
+    def step() -> None:
+        kernels.rope_cache_write_at(q, k, v, cos, sin, pos, kc, vc, out=q_rot)
+        kernels.decode_attention_at(q_rot[:, 0], kc, vc, pos, length, 0.088, out=a)
+
+    with torch.cuda.stream(stream):
+        step()  # the warm-up writes position 0; the oracle's cache gets the same write
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    reference.rope_cache_write_at(q, k, v, cos, sin, pos, kc_ref, vc_ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        step()
+    for p in (7, 300, 3999):
+        pos.fill_(p)
+        for i, t in enumerate((q, k, v)):
+            t.copy_(random((1, 1, 32, 128), F16, seed=10 * p + i, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        q_ref = reference.rope_cache_write_at(q, k, v, cos, sin, pos, kc_ref, vc_ref)
+        assert torch.equal(vc, vc_ref)
+        assert_close_rel(kc[:, :, p], kc_ref[:, :, p], TOL, "k cache")
+        ref = reference.decode_attention(q_ref[:, 0].cpu().double(), kc_ref[:, :, : p + 1].cpu().double(),
+                                         vc_ref[:, :, : p + 1].cpu().double(), p + 1, 0.088)
+        assert_close_rel(a, ref, TOL, f"graph attention at {p}")

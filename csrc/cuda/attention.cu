@@ -24,6 +24,7 @@ struct ChunkParams {
     int64_t kc_sb, kc_sh, kc_ss, vc_sb, vc_sh, vc_ss;
     int hq, hkv, group, hgroups, d, seq_len, chunk_len, nchunks;
     float scale;
+    const int64_t* pos_dev;
     half* out;      // used when nchunks == 1
     float* part_o;  // [B * Hq, nchunks, D] unnormalised outputs
     float* part_ml; // [B * Hq, nchunks, 2] running max and sum of each chunk
@@ -43,7 +44,9 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(ChunkParams p) {
     const int h0 = hk * p.group + hg * kHeads;
     const int nh = min(kHeads, p.group - hg * kHeads);
     const int d = p.d, d8 = d / 8, pairs = d / 2;
-    const int c0 = chunk * p.chunk_len, c1 = min(c0 + p.chunk_len, p.seq_len);
+    // With a device-side position, positions after it are masked (the chunk plan stays fixed for graphs).
+    const int seq = p.pos_dev ? static_cast<int>(min(static_cast<int64_t>(p.seq_len), *p.pos_dev + 1)) : p.seq_len;
+    const int c0 = chunk * p.chunk_len, c1 = min(c0 + p.chunk_len, seq);  // c0 >= c1: empty chunk, l = 0
     const int tid = threadIdx.x;
 
     for (int i = tid; i < nh * d; i += kThreads) {
@@ -239,6 +242,7 @@ void decode_attention(const AttnArgs& a) {
     p.chunk_len = static_cast<int>(chunk_len);
     p.nchunks = static_cast<int>(nchunks);
     p.scale = a.scale;
+    p.pos_dev = a.pos_dev;
     p.out = static_cast<half*>(a.out);
     p.part_o = a.ws.data;
     p.part_ml = a.ws.data ? a.ws.data + a.b * a.hq * nchunks * a.d : nullptr;

@@ -87,13 +87,13 @@ PYBIND11_MODULE(_ext_cuda, m) {
     m.def("rope_cache_write", [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, py::tuple qs, py::tuple ks,
                                  py::tuple vs, int64_t b, int64_t t, int64_t hq, int64_t hkv, int64_t d,
                                  std::uintptr_t cos, std::uintptr_t sin, int cs_dtype, int64_t cos_stride,
-                                 int64_t sin_stride, int64_t pos, std::uintptr_t k_cache, std::uintptr_t v_cache,
-                                 py::tuple kcs, py::tuple vcs, std::uintptr_t q_out, int device,
-                                 std::uintptr_t stream) {
+                                 int64_t sin_stride, int64_t pos, std::uintptr_t pos_dev, int64_t max_pos,
+                                 std::uintptr_t k_cache, std::uintptr_t v_cache, py::tuple kcs, py::tuple vcs,
+                                 std::uintptr_t q_out, int device, std::uintptr_t stream) {
         kc::RopeArgs a{ptr<const void>(q), ptr<const void>(k), ptr<const void>(v),
                        at(qs, 0), at(qs, 1), at(qs, 2), at(ks, 0), at(ks, 1), at(ks, 2), at(vs, 0), at(vs, 1), at(vs, 2),
                        b, t, hq, hkv, d, ptr<const void>(cos), ptr<const void>(sin), cs_dtype, cos_stride, sin_stride,
-                       pos, ptr<void>(k_cache), ptr<void>(v_cache),
+                       pos, ptr<const int64_t>(pos_dev), max_pos, ptr<void>(k_cache), ptr<void>(v_cache),
                        at(kcs, 0), at(kcs, 1), at(kcs, 2), at(vcs, 0), at(vcs, 1), at(vcs, 2),
                        ptr<void>(q_out), device, stream};
         py::gil_scoped_release release;
@@ -102,11 +102,12 @@ PYBIND11_MODULE(_ext_cuda, m) {
 
     m.def("decode_attention", [](std::uintptr_t q, int64_t q_sb, int64_t q_sh, int64_t b, int64_t hq, int64_t hkv,
                                  int64_t d, std::uintptr_t k_cache, std::uintptr_t v_cache, py::tuple kcs,
-                                 py::tuple vcs, int64_t seq_len, float scale, std::uintptr_t out, py::tuple ws,
-                                 int device, std::uintptr_t stream) {
+                                 py::tuple vcs, int64_t seq_len, std::uintptr_t pos_dev, float scale,
+                                 std::uintptr_t out, py::tuple ws, int device, std::uintptr_t stream) {
         kc::AttnArgs a{ptr<const void>(q), q_sb, q_sh, b, hq, hkv, d, ptr<const void>(k_cache),
                        ptr<const void>(v_cache), at(kcs, 0), at(kcs, 1), at(kcs, 2), at(vcs, 0), at(vcs, 1),
-                       at(vcs, 2), seq_len, scale, ptr<void>(out), workspace(ws), device, stream};
+                       at(vcs, 2), seq_len, ptr<const int64_t>(pos_dev), scale, ptr<void>(out), workspace(ws),
+                       device, stream};
         py::gil_scoped_release release;
         kc::decode_attention(a);
     });

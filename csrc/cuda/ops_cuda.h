@@ -64,6 +64,8 @@ struct RopeArgs {
     const void* cos; const void* sin;  // [S, D], fp16 (cs_dtype 1) or fp32 (0)
     int cs_dtype;
     int64_t cos_stride, sin_stride, pos;
+    const int64_t* pos_dev;            // or the first position read on the device (CUDA graphs); then
+    int64_t max_pos;                   // positions >= max_pos (cache or table length) are skipped
     void* k_cache; void* v_cache;      // fp16 [B, Hkv, S, D]
     int64_t kc_sb, kc_sh, kc_ss, vc_sb, vc_sh, vc_ss;
     void* q_out;                       // fp16 [B, T, Hq, D] contiguous
@@ -78,6 +80,7 @@ struct AttnArgs {
     int64_t q_sb, q_sh, b, hq, hkv, d;
     const void* k_cache; const void* v_cache;  // fp16 [B, Hkv, S, D]
     int64_t kc_sb, kc_sh, kc_ss, vc_sb, vc_sh, vc_ss, seq_len;
+    const int64_t* pos_dev;  // or null: attend to min(seq_len, *pos_dev + 1) positions (CUDA graphs)
     float scale;
     void* out;  // fp16 [B, Hq, D] contiguous
     Workspace ws;

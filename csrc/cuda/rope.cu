@@ -15,7 +15,8 @@ __global__ void rope_kernel(RopeArgs a) {
     const int64_t heads = a.hq + a.hkv;
     const int64_t item = blockIdx.x;
     const int64_t h = item % heads, bt = item / heads, t = bt % a.t, b = bt / a.t;
-    const int64_t p = a.pos + t;
+    const int64_t p = (a.pos_dev ? *a.pos_dev : a.pos) + t;
+    if (p < 0 || p >= a.max_pos) return;  // only a device-side position can be out of range here
     const int64_t half_d = a.d / 2;
     const C* c = static_cast<const C*>(a.cos) + p * a.cos_stride;
     const C* s = static_cast<const C*>(a.sin) + p * a.sin_stride;

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Tuple
 import torch
 
 from kobold_backend.ops import native, reference
-from kobold_backend.ops.reference import attention, decode_attention_at, linear, rope_cache_write_at
+from kobold_backend.ops.reference import attention, linear
 
 if TYPE_CHECKING:
     from kobold_backend.engine.gptq import GPTQWeight
@@ -75,6 +75,31 @@ def rope_cache_write(
     if kern is None:
         return reference.rope_cache_write(q, k, v, cos, sin, pos, k_cache, v_cache)
     return kern.rope_cache_write(q, k, v, cos, sin, pos, k_cache, v_cache)
+
+
+def rope_cache_write_at(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    kern = _kernels(q)
+    if kern is None:
+        return reference.rope_cache_write_at(q, k, v, cos, sin, pos, k_cache, v_cache)
+    return kern.rope_cache_write_at(q, k, v, cos, sin, pos, k_cache, v_cache)
+
+
+def decode_attention_at(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, length: int, scale: float
+) -> torch.Tensor:
+    k = _kernels(q)
+    if k is None:
+        return reference.decode_attention_at(q, k_cache, v_cache, pos, length, scale)
+    return k.decode_attention_at(q, k_cache, v_cache, pos, length, scale)
 
 
 def decode_attention(

@@ -603,6 +603,19 @@ class CpuKernels:
             v_cache.stride()[:3], q_out.data_ptr(), torch.get_num_threads())
         return q_out
 
+    def rope_cache_write_at(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if q.dim() != 4 or q.shape[1] != 1 or pos.numel() != 1:
+            return reference.rope_cache_write_at(q, k, v, cos, sin, pos, k_cache, v_cache)
+        return self.rope_cache_write(q, k, v, cos, sin, int(pos), k_cache, v_cache, out=out)
+
+    def decode_attention_at(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                            length: int, scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if pos.numel() != 1:
+            return reference.decode_attention_at(q, k_cache, v_cache, pos, length, scale)
+        return self.decode_attention(q, k_cache, v_cache, min(int(pos) + 1, length), scale, out=out)
+
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int,
                          scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not _attention_supported(q, k_cache, v_cache, seq_len, _DTYPE_CODES):
@@ -763,35 +776,73 @@ class CudaKernels:
     def rope_cache_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        dev = q.device
-        if (not _rope_supported(q, k, v, cos, sin, k_cache, v_cache, _CUDA_CODES)
-                or any(t.device != dev for t in (k, v, cos, sin, k_cache, v_cache))):
+        if not self._rope_ok(q, k, v, cos, sin, k_cache, v_cache):
             return reference.rope_cache_write(q, k, v, cos, sin, pos, k_cache, v_cache)
+        _check_rope_range(pos, q.shape[1], k_cache.shape[2], cos.shape[0], sin.shape[0])
+        return self._rope(q, k, v, cos, sin, int(pos), 0, k_cache, v_cache, out)
+
+    def rope_cache_write_at(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One token at the position held by the device tensor `pos` (read by the kernel: graph-capturable)."""
+        if (not self._rope_ok(q, k, v, cos, sin, k_cache, v_cache) or q.shape[1] != 1 or pos.numel() != 1
+                or pos.dtype != torch.int64 or pos.device != q.device):
+            return reference.rope_cache_write_at(q, k, v, cos, sin, pos, k_cache, v_cache)
+        return self._rope(q, k, v, cos, sin, 0, pos.data_ptr(), k_cache, v_cache, out)
+
+    @staticmethod
+    def _rope_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        dev = q.device
+        return (_rope_supported(q, k, v, cos, sin, k_cache, v_cache, _CUDA_CODES)
+                and all(t.device == dev for t in (k, v, cos, sin, k_cache, v_cache)))
+
+    def _rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              pos: int, pos_dev: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              out: Optional[torch.Tensor]) -> torch.Tensor:
+        dev = q.device
         b, t, hq, d = q.shape
-        _check_rope_range(pos, t, k_cache.shape[2], cos.shape[0], sin.shape[0])
         q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
         q_out = _out(out, q.shape, q)
+        max_pos = min(k_cache.shape[2], cos.shape[0], sin.shape[0])
         self.module.rope_cache_write(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride()[:3], k.stride()[:3], v.stride()[:3], b, t, hq,
             k.shape[2], d, cos.data_ptr(), sin.data_ptr(), _DTYPE_CODES[cos.dtype], cos.stride(0), sin.stride(0),
-            int(pos), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride()[:3], v_cache.stride()[:3],
-            q_out.data_ptr(), dev.index, self._stream(dev))
+            pos, pos_dev, max_pos, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride()[:3],
+            v_cache.stride()[:3], q_out.data_ptr(), dev.index, self._stream(dev))
         return q_out
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int,
                          scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        dev = q.device
-        if (not _attention_supported(q, k_cache, v_cache, seq_len, _CUDA_CODES)
-                or k_cache.device != dev or v_cache.device != dev or not _attention_layout_ok(q, k_cache, v_cache)):
+        if not self._attention_ok(q, k_cache, v_cache, seq_len):
             return reference.decode_attention(q, k_cache, v_cache, seq_len, scale)
+        return self._attention(q, k_cache, v_cache, seq_len, 0, scale, out)
+
+    def decode_attention_at(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                            length: int, scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Attention over cache[:, :, :length] with positions after the device tensor `pos` masked."""
+        if (not self._attention_ok(q, k_cache, v_cache, length) or pos.numel() != 1 or pos.dtype != torch.int64
+                or pos.device != q.device):
+            return reference.decode_attention_at(q, k_cache, v_cache, pos, length, scale)
+        return self._attention(q, k_cache, v_cache, length, pos.data_ptr(), scale, out)
+
+    @staticmethod
+    def _attention_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int) -> bool:
+        dev = q.device
+        return (_attention_supported(q, k_cache, v_cache, seq_len, _CUDA_CODES) and k_cache.device == dev
+                and v_cache.device == dev and _attention_layout_ok(q, k_cache, v_cache))
+
+    def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int, pos_dev: int,
+                   scale: float, out: Optional[torch.Tensor]) -> torch.Tensor:
+        dev = q.device
         q = _last_contiguous(q)
         y = _out(out, q.shape, q)
         b, hq, d = q.shape
         stream = self._stream(dev)
         self.module.decode_attention(
             q.data_ptr(), q.stride(0), q.stride(1), b, hq, k_cache.shape[1], d, k_cache.data_ptr(),
-            v_cache.data_ptr(), k_cache.stride()[:3], v_cache.stride()[:3], int(seq_len), float(scale), y.data_ptr(),
-            self._workspace(dev, stream), dev.index, stream)
+            v_cache.data_ptr(), k_cache.stride()[:3], v_cache.stride()[:3], int(seq_len), pos_dev, float(scale),
+            y.data_ptr(), self._workspace(dev, stream), dev.index, stream)
         return y
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
