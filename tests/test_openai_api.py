@@ -322,6 +322,14 @@ def test_chat_validation_400(client: Any, messages: Any, param: str) -> None:
     assert resp.get_json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("stream_flag", [False, True])
+def test_token_ids_outside_the_vocabulary(client: Any, stream_flag: bool) -> None:
+    for ids in ([1, 5, 1000], [1, -3], [1, 2**70]):
+        resp = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "stream": stream_flag})
+        error = error_of(resp, 400)
+        assert error["param"] == "prompt" and "outside the vocabulary" in error["message"]
+
+
 def test_echo_false_and_accepted_extras(client: Any) -> None:
     out = complete(client, echo=False, max_tokens=2, logprobs=None, best_of=1, user="u", suffix="",
                    response_format={"type": "text"}, tools=[], **GREEDY)
