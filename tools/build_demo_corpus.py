@@ -33,7 +33,7 @@ import unicodedata
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 LICENSE_DIR = Path("/usr/share/common-licenses")
 MIN_CHARS = 40
@@ -221,25 +221,25 @@ def help_topic_documents() -> Iterator[Document]:
         yield f"topic:{name}", "", topics[name]
 
 
-def collect(min_chars: int = MIN_CHARS) -> List[Document]:
-    """Licence paragraphs, help topics, imported docstrings, then source docstrings: normalised, short bodies
-    dropped, deduplicated on the body (first occurrence kept)."""
+def all_sources() -> Iterator[Document]:
+    """Licence paragraphs, help topics, imported docstrings, then source docstrings."""
+    yield from license_documents()
+    yield from help_topic_documents()
+    for module in walk_stdlib():
+        yield from docstring_documents(module)
+    yield from source_docstring_documents()
+
+
+def collect(documents: Iterable[Document], min_chars: int = MIN_CHARS) -> List[Document]:
+    """Normalised, short bodies dropped, deduplicated on the body (first occurrence kept)."""
     docs: List[Document] = []
     seen = set()
-
-    def add(items: Iterator[Document]) -> None:
-        for source, header, body in items:
-            body = normalise(body)
-            key = dedup_key(body)
-            if len(body) >= min_chars and key not in seen:
-                seen.add(key)
-                docs.append((source, normalise(header), body))
-
-    add(license_documents())
-    add(help_topic_documents())
-    for module in walk_stdlib():
-        add(docstring_documents(module))
-    add(source_docstring_documents())
+    for source, header, body in documents:
+        body = normalise(body)
+        key = dedup_key(body)
+        if len(body) >= min_chars and key not in seen:
+            seen.add(key)
+            docs.append((source, normalise(header), body))
     return docs
 
 
@@ -262,10 +262,12 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def build(out_dir: Path, heldout_permille: int = 50, min_chars: int = MIN_CHARS) -> Dict[str, object]:
-    """Write the corpus files and manifest.json into out_dir; return the manifest."""
+def build(out_dir: Path, heldout_permille: int = 50, min_chars: int = MIN_CHARS,
+          documents: Optional[Iterable[Document]] = None) -> Dict[str, object]:
+    """Write the corpus files and manifest.json into out_dir; return the manifest. `documents` defaults to
+    all_sources()."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    docs = collect(min_chars)
+    docs = collect(all_sources() if documents is None else documents, min_chars)
     splits = {"train": [d for d in docs if not is_heldout(doc_text(d), heldout_permille)],
               "heldout": [d for d in docs if is_heldout(doc_text(d), heldout_permille)]}
     files: Dict[str, Dict[str, object]] = {}
