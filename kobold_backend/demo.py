@@ -1,7 +1,9 @@
-"""The built-in demo checkpoint: a small random-weight Llama with a sentencepiece tokenizer trained on text found on
-this machine, built once into the user's cache so the engine, the server and the plugin run without a download.
+"""The built-in demo checkpoint, so the engine, the server and the plugin run without a download: the small trained
+4-bit Llama shipped in the package (kobold_backend/demo/, see docs/demo-model.md).
 
-It writes gibberish by design; it exists to exercise the whole stack, not to produce text.
+When those files are absent (a checkout before the model was trained), a random-weight Llama with a sentencepiece
+tokenizer trained on text found on this machine is built once into the user's cache instead, with a loud warning:
+it writes gibberish and only exercises the stack.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from safetensors.torch import save_file
 
 log = logging.getLogger(__name__)
 
+SHIPPED_DIR = Path(__file__).resolve().parent / "demo"
+SHIPPED_FILES = ("config.json", "quantize_config.json", "model.safetensors", "tokenizer.model",
+                 "tokenizer_config.json", "generation_config.json")
 DEMO_VERSION = "1"
 Progress = Callable[[int, int, str], None]  # (done, total, message), as load_model reports
 
@@ -59,8 +64,32 @@ def default_cache_dir() -> Path:
     return Path(base) / "kobold_backend"
 
 
+def shipped_demo_dir() -> Optional[Path]:
+    """The trained demo checkpoint inside the installed package, or None when any of its files is absent."""
+    if all((SHIPPED_DIR / name).is_file() for name in SHIPPED_FILES):
+        return SHIPPED_DIR
+    return None
+
+
 def ensure_demo_model(cache_dir: Optional[Union[str, Path]] = None, progress: Optional[Progress] = None) -> Path:
-    """Return the demo model folder, building it first if needed (under `cache_dir`, default ~/.cache/kobold_backend).
+    """Return the demo model folder: the trained checkpoint shipped in the package when it is there (nothing is
+    built, `progress` is not called); otherwise the random-weight fallback, built first if needed under
+    `cache_dir` (default ~/.cache/kobold_backend), with a warning that it writes gibberish.
+    """
+    shipped = shipped_demo_dir()
+    if shipped is not None:
+        return shipped
+    log.warning(
+        "THE TRAINED DEMO MODEL IS NOT INSTALLED (%s lacks its files): falling back to a RANDOM-WEIGHT model that "
+        "writes GIBBERISH. Reinstall kobold-backend, or pass --model with a real model folder.", SHIPPED_DIR
+    )
+    return build_random_demo_model(cache_dir, progress)
+
+
+def build_random_demo_model(cache_dir: Optional[Union[str, Path]] = None,
+                            progress: Optional[Progress] = None) -> Path:
+    """Return the random-weight demo folder, building it first if needed (under `cache_dir`, default
+    ~/.cache/kobold_backend).
 
     The folder is written under a temporary name and renamed into place, so it is either complete or absent;
     a failed or interrupted build leaves nothing behind (stale temporary folders are removed on the next build).
