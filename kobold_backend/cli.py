@@ -110,6 +110,18 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_generate)
 
 
+def run_doctor(args: argparse.Namespace) -> int:
+    from kobold_backend.ops import native
+
+    sys.stdout.write(native.doctor_report() + "\n")
+    return 0
+
+
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", help="print Python, torch, CUDA, GPUs and which kernel path is active and why")
+    p.set_defaults(func=run_doctor)
+
+
 def _add_optional(sub: argparse._SubParsersAction, module: str, adder: str, runner: str) -> None:
     """Subcommands that live in their own modules (server, host, ops, bench)."""
     if importlib.util.find_spec(module) is None:
@@ -123,7 +135,6 @@ def _add_optional(sub: argparse._SubParsersAction, module: str, adder: str, runn
 SUBCOMMANDS = [
     ("kobold_backend.server.cli_serve", "add_serve_parser", "run_serve"),
     ("kobold_backend.host.install", "add_install_plugin_parser", "run_install_plugin"),
-    ("kobold_backend.ops.doctor", "add_doctor_parser", "run_doctor"),
     ("kobold_backend.wheels", "add_install_ext_parser", "run_install_ext"),
     ("kobold_backend.bench", "add_bench_parser", "run_bench"),
 ]
@@ -135,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command")
     _add_generate(sub)
+    _add_doctor(sub)
     for module, adder, runner in SUBCOMMANDS:
         _add_optional(sub, module, adder, runner)
     return parser

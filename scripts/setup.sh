@@ -25,6 +25,8 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   "$VPY" -m pip install -q "$spec" >&2
 fi
 
+# Without a GPU the CUDA module would be built for nothing (the tests compile-check it separately).
+if ! command -v nvidia-smi >/dev/null 2>&1; then export KOBOLD_BACKEND_NO_CUDA=1; fi
 echo "setup: installing kobold-backend$extras and building its extension" >&2
 "$VPY" -m pip install -q --no-build-isolation -e ".$extras" >&2
 echo "setup: done; run .venv/bin/kobold-backend --help" >&2
