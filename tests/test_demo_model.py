@@ -130,7 +130,7 @@ def test_shipped_layout(shipped: LoadedModel) -> None:
 @needs_shipped
 def test_engine_matches_transformers_on_the_unpacked_weights(shipped: LoadedModel, tmp_path: Path) -> None:
     assert SHIPPED is not None
-    ids = shipped.tokenizer.encode(card_record()["sample"]["text"], add_bos=True)[:128]
+    ids = shipped.tokenizer.encode(card_record()["sample"]["text"], add_bos=True)[: shipped.model.max_seq_len]
     ours = shipped.model.forward(torch.tensor([ids]), shipped.model.new_cache(max_seq_len=len(ids)),
                                  last_only=False)
     with torch.no_grad():
@@ -154,7 +154,7 @@ def _random_like(folder: Path, out: Path) -> Path:
 def test_trained_continuation_is_far_more_likely_than_random(shipped: LoadedModel, tmp_path: Path) -> None:
     """Perplexity of the held-out sample's continuation (its last two thirds) given its first third."""
     assert SHIPPED is not None
-    ids = shipped.tokenizer.encode(card_record()["sample"]["text"], add_bos=True)
+    ids = shipped.tokenizer.encode(card_record()["sample"]["text"], add_bos=True)[: shipped.model.max_seq_len]
     start = len(ids) // 3
     random_lm = load_model(_random_like(SHIPPED, tmp_path / "random"), device="cpu", dtype="float32")
     trained, rand = perplexity(shipped, ids, start), perplexity(random_lm, ids, start)
