@@ -241,6 +241,29 @@ def test_koboldcpp_half_window_matches_numpy(rng: int, slope: float, pen: float,
     check_sequence(sampler, ctx, lambda s, c: ref_rep_pen_kcpp(s, c, pen, rng, slope, presence))
 
 
+@pytest.mark.parametrize("mode", ["kobold_united", "koboldcpp"])
+@pytest.mark.parametrize("rng", [1_000_000, 5000])
+def test_huge_ranges_cost_only_the_window(mode: str, rng: int) -> None:
+    """The curve / half-window factors are built for the window seen so far, growing past 1024 tokens."""
+    cfg = {"rep_pen": 1.3, "rep_pen_range": rng, "rep_pen_slope": 0.5, "rep_pen_mode": mode,
+           "sampler_order": (6,)}
+    for order in ((6,), (2, 6)):
+        sampler = make(dict(cfg, sampler_order=order, top_p=0.999999), True)
+        ctx = repetitive_context(rng % 97, 1500)
+        sampler.begin(ctx[:1000])
+        for token in ctx[1000:]:
+            sampler.accept(token)
+        s = logits_for(4)
+        penalised = (ref_rep_pen_united(s, ctx, 1.3, rng, 0.5) if mode == "kobold_united"
+                     else ref_rep_pen_kcpp(s, ctx, 1.3, rng, 0.5, 0.0))
+        want = penalised if order == (6,) else ref_penalties_after_top_p(s, ctx, cfg)
+        assert_close(sampler.warp(torch.tensor(s, dtype=torch.float32)), want)
+
+
+def ref_penalties_after_top_p(s: np.ndarray, ctx: Sequence[int], cfg: Dict[str, float]) -> np.ndarray:
+    return ref_penalties(ref_top_p(s, 0.999999), ctx, cfg)
+
+
 def test_koboldcpp_half_window_by_hand() -> None:
     """Window of 4: [a b | c d]: c, d (newer half) get 2.0; a, b only the reduced 1 + (2-1)*0.5 = 1.5."""
     cfg = {"rep_pen": 2.0, "rep_pen_range": 4, "rep_pen_slope": 0.5, "rep_pen_mode": "koboldcpp",
@@ -391,7 +414,7 @@ def test_dry_matches_brute_force(last_n: int, allowed: int, base: float, mult: f
 
 def test_dry_exponent_is_clamped() -> None:
     """A long run with a huge base: base^(n - allowed) is capped below float overflow, as in KoboldCpp."""
-    base = 1e10
+    base = 1e6
     ctx = [7] * 30
     sampler = make({"dry_multiplier": 1.0, "dry_base": base, "dry_allowed_length": 2}, True, texts=TEXTS)
     sampler.begin(ctx)

@@ -16,18 +16,6 @@ import torch
 from kobold_backend.engine.samplers.candidates import Candidates
 
 
-def united_curve(rep_pen: float, rep_pen_range: int, slope: float) -> List[float]:
-    """United's per-position penalties over a full window, oldest first (newest = rep_pen)."""
-    if rep_pen_range == 1:
-        return [rep_pen]
-    curve = []
-    for i in range(rep_pen_range):
-        x = i / (rep_pen_range - 1) * 2.0 - 1.0
-        y = slope * x / (1.0 + abs(x) * (slope - 1.0))
-        curve.append(1.0 + (y + 1.0) / 2.0 * (rep_pen - 1.0))
-    return curve
-
-
 class RepetitionPenalty:
     """Per-token newest-occurrence positions and window counts; applies slot 6 to a Candidates set."""
 
@@ -52,15 +40,12 @@ class RepetitionPenalty:
         self.device = device
         self.active = rep_pen != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0
         self.reduced = 1.0 + (rep_pen - 1.0) * rep_pen_slope if rep_pen > 1.0 else rep_pen
+        self.curved = mode == "kobold_united" and self.range > 0 and rep_pen_slope != 0.0
+        # Computed on the device when first needed and only as long as the window has been, so that a
+        # huge rep_pen_range costs nothing: the newest entries of United's curve, and KoboldCpp's
+        # factors over a full window (both oldest first).
         self._curve: Optional[torch.Tensor] = None
-        if mode == "kobold_united" and self.range > 0 and rep_pen_slope != 0.0:
-            self._curve = torch.tensor(
-                united_curve(rep_pen, self.range, rep_pen_slope), dtype=torch.float32, device=device
-            )
-        # KoboldCpp's per-position factors over a full window, oldest first (the newer half gets P).
         self._halves: Optional[torch.Tensor] = None
-        if mode == "koboldcpp" and rep_pen != 1.0:
-            self._halves = self._half_window(self.range)
         self._zero = torch.zeros(1, dtype=torch.float32, device=device)
         # Index vocab_size collects ids outside the vocabulary so that no update can go out of bounds.
         self._last_pos = torch.full((vocab_size + 1,), -1, dtype=torch.long, device=device)
@@ -145,14 +130,38 @@ class RepetitionPenalty:
         newer = torch.arange(w, device=self.device) * 2 >= w
         return torch.full((w,), self.reduced, dtype=torch.float32, device=self.device).masked_fill_(newer, self.rep_pen)
 
+    def _curve_tail(self, w: int) -> torch.Tensor:
+        """The newest w entries of United's curve, oldest first (the newest is rep_pen).
+
+        x_i = 2i/(range-1) - 1, y_i = slope x_i / (1 + |x_i| (slope - 1)), P_i = 1 + (y_i + 1)/2 (P - 1);
+        a range of 1 is just P.
+        """
+        have = 0 if self._curve is None else self._curve.numel()
+        if have < w:
+            n = min(self.range, max(w, 2 * have, 1024))
+            if self.range == 1:
+                curve = torch.full((1,), self.rep_pen, dtype=torch.float64, device=self.device)
+            else:
+                i = torch.arange(self.range - n, self.range, dtype=torch.float64, device=self.device)
+                x = i / (self.range - 1) * 2.0 - 1.0
+                y = self.slope * x / (1.0 + x.abs() * (self.slope - 1.0))
+                curve = 1.0 + (y + 1.0) / 2.0 * (self.rep_pen - 1.0)
+            self._curve = curve.to(torch.float32)
+            have = n
+        assert self._curve is not None
+        return self._curve[have - w :]
+
     def _window_factors(self, w: int) -> Union[torch.Tensor, float, None]:
         """The multiplicative penalty of each window position, oldest first (a float when uniform)."""
         if self.rep_pen == 1.0:
             return None
         if self.mode == "kobold_united":
-            return self.rep_pen if self._curve is None else self._curve[self.range - w :]
-        assert self._halves is not None
-        return self._halves if w == self.range else self._half_window(w)
+            return self._curve_tail(w) if self.curved else self.rep_pen
+        if w < self.range:
+            return self._half_window(w)
+        if self._halves is None:
+            self._halves = self._half_window(w)
+        return self._halves
 
     def _apply_window(self, c: Candidates, length: int, w: int) -> None:
         """Vocabulary order: touch only the window's tokens, each once at its newest position."""
@@ -180,9 +189,9 @@ class RepetitionPenalty:
         inside = in_window.to(vals.dtype)
         if self.rep_pen != 1.0:
             if self.mode == "kobold_united":
-                if self._curve is not None:
-                    index = (self.range - 1 - distance).clamp(0, self.range - 1)
-                    factor = 1.0 + (self._curve[index] - 1.0) * inside
+                if self.curved:
+                    index = (w - 1 - distance).clamp(0, w - 1)
+                    factor = 1.0 + (self._curve_tail(w)[index] - 1.0) * inside
                 else:
                     factor = 1.0 + (self.rep_pen - 1.0) * inside
             else:
