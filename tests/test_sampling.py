@@ -393,6 +393,10 @@ def test_seed_none_draws_a_reportable_seed() -> None:
     s = torch.randn(16)
     assert [a.sample(s) for _ in range(20)] == [b.sample(s) for _ in range(20)]
     assert Sampler(SamplerSettings(), 16, seed=-1).seed >= 0
+    big = Sampler(SamplerSettings(), 16, seed=2**64 + 5)
+    five = Sampler(SamplerSettings(), 16, seed=5)
+    assert big.seed == 5
+    assert [big.sample(s) for _ in range(20)] == [five.sample(s) for _ in range(20)]
 
 
 # ----------------------------------------------------------------------------- XTC

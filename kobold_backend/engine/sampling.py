@@ -146,7 +146,8 @@ class Sampler:
         self.settings = settings
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self.seed = int(seed) if seed is not None and seed >= 0 else int.from_bytes(os.urandom(4), "little")
+        # torch seeds are 64-bit: larger seeds are taken modulo 2^64.
+        self.seed = int(seed) % 2**64 if seed is not None and seed >= 0 else int.from_bytes(os.urandom(4), "little")
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(self.seed)
         self.context: List[int] = []
