@@ -9,7 +9,6 @@ import textwrap
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -49,6 +48,8 @@ def prompt_ids(built: BuiltCheckpoint, n: int, seed: int) -> torch.Tensor:
 
 def write_gguf_vector(path: Path, directions: Dict[int, torch.Tensor], arch: str = "controlvector") -> Path:
     """What repeng's ControlVector.export_gguf writes, through the gguf package's own writer."""
+    import gguf
+
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_string(f"{arch}.model_hint", "llama")
     writer.add_uint32(f"{arch}.layer_count", len(directions))
