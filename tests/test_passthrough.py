@@ -502,8 +502,6 @@ def test_entry_point_actions_are_registered(lm, config, tmp_path, monkeypatch, i
 
 # ---- no leak into later requests -----------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="engine/lane.py: Lane.prepare resets the cache only for a passthrough "
-                   "request, so the next plain request reuses the prompt states the passthrough request computed")
 def test_passthrough_never_affects_a_later_request(lm, built, config) -> None:
     vecs = random_vectors([0, 1], lm.config.hidden_size, seed=11)
     write_gguf_vector(config.vectors_dir / "strong.gguf", vecs)

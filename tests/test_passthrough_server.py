@@ -118,8 +118,6 @@ def test_perf_reports_the_eager_run_and_streaming_steers_alike(app) -> None:
     assert "".join(tokens) == steered
 
 
-@pytest.mark.xfail(strict=True, reason="engine/lane.py: Lane.prepare resets the cache only for a passthrough "
-                   "request, so the next plain request reuses the prompt states the passthrough request computed")
 def test_passthrough_does_not_affect_concurrent_or_later_plain_requests(built, folders) -> None:
     fresh = make(built, folders)
     try:

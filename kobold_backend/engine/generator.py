@@ -46,6 +46,7 @@ class GenerationRequest:
     guidance_scale: float = 1.0
     num_beams: int = 1
     beam_length: int = 8
+    grammar: Optional[Any] = None  # engine.grammar.GrammarConstraint: one per request, it holds the grammar state
 
 
 @dataclass
@@ -231,6 +232,8 @@ class Generator:
             raise RequestError(f"beam_length must be in [1, {MAX_BEAM_LENGTH}]", "beam_length")
         if req.num_beams > 1 and (req.negative_prompt_ids or req.passthrough is not None):
             raise RequestError("beam search cannot be combined with a negative prompt or passthrough", "num_beams")
+        if req.num_beams > 1 and req.grammar is not None:
+            raise RequestError("beam search cannot be combined with a grammar", "num_beams")
 
     def _cfg_lane(self, req: GenerationRequest) -> Optional[Lane]:
         """The negative prompt's lane for classifier-free guidance, its cache allocated on first use."""
@@ -262,11 +265,14 @@ class Generator:
         room = cache.max_seq_len - len(prompt)
         budget = min(req.max_new_tokens, room)
         t0 = time.perf_counter()
+        if req.passthrough is not None and hasattr(req.passthrough, "begin"):
+            req.passthrough.begin(len(prompt))
+        guide_passthrough = _guide_view(req.passthrough)
         logits, reuse = self.lane.prepare(prompt, req.passthrough, self.context_shift)
         guide = self._cfg_lane(req)
         guide_logits = logits
         if guide is not None:
-            guide_logits, _ = guide.prepare(list(req.negative_prompt_ids), req.passthrough, self.context_shift)
+            guide_logits, _ = guide.prepare(list(req.negative_prompt_ids), guide_passthrough, self.context_shift)
         settings = req.settings
         banned = self._banned_ids(req)
         if banned:
@@ -294,12 +300,18 @@ class Generator:
                     token = next(beams)
                 else:
                     extra = position_bans.get(len(generated))
-                    if extra:
+                    if extra and req.grammar is None:
                         logits = logits.clone()
                         logits[list(extra)] = float("-inf")
-                    token = sampler.sample(logits if guide is None else classifier_free_guidance(
-                        logits, guide_logits, req.guidance_scale))
+                    scores = logits if guide is None else classifier_free_guidance(
+                        logits, guide_logits, req.guidance_scale)
+                    if req.grammar is not None:
+                        # -inf where the grammar rejects the token; it takes the position bans too
+                        scores = req.grammar.constrain(scores, extra or ())
+                    token = sampler.sample(scores)
                     sampler.accept(token)
+                    if req.grammar is not None:
+                        req.grammar.accept(token)
                 generated.append(token)
                 if token in eos and not req.bypass_eos:
                     reason = "stop"
@@ -312,11 +324,13 @@ class Generator:
                         rewinds += 1
                         position_bans.setdefault(start, set()).add(generated[start])
                         sampler.rewind(len(generated) - start)
+                        if req.grammar is not None:
+                            req.grammar.rollback(len(generated) - start)
                         tracker.truncate(start)
                         del generated[start:]
                         logits = self.lane.rewind_to(len(prompt) + start, req.passthrough)
                         if guide is not None:
-                            guide_logits = guide.rewind_to(len(req.negative_prompt_ids) + start, req.passthrough)
+                            guide_logits = guide.rewind_to(len(req.negative_prompt_ids) + start, guide_passthrough)
                         continue
                 stop = tracker.find_stop()
                 if stop is not None:
@@ -325,13 +339,16 @@ class Generator:
                     yield TokenEvent(text, token)
                     break
                 yield TokenEvent(tracker.take(tracker.safe_end()), token)
+                if req.grammar is not None and req.grammar.is_finished():
+                    reason = "stop"  # the grammar is complete and allows nothing more
+                    break
                 if len(generated) >= budget:
                     break
                 if beams is not None:
                     continue
                 logits = self.lane.step(token, req.passthrough)
                 if guide is not None:
-                    guide_logits = guide.step(token, req.passthrough)
+                    guide_logits = guide.step(token, guide_passthrough)
             tail = "" if reason == "stop_string" else tracker.take(len(tracker.buf))
             yield TokenEvent(tail, None, reason)
         finally:
@@ -341,6 +358,14 @@ class Generator:
                 prefill_seconds=t1 - t0, decode_seconds=t2 - t1, finish_reason=reason, seed=req.seed,
                 total_generations=self.stats.total_generations + 1,
             )
+
+
+def _guide_view(passthrough: Optional[Any]) -> Optional[Any]:
+    """What the negative prompt's lane runs: the same actions, minus capture (see engine/passthrough)."""
+    if passthrough is None:
+        return None
+    view = getattr(passthrough, "guide_view", None)
+    return view() if view is not None else passthrough
 
 
 def classifier_free_guidance(logits: torch.Tensor, negative: torch.Tensor, scale: float) -> torch.Tensor:

@@ -49,18 +49,20 @@ class Lane:
         self.model = model
         self.cache = cache
         self.graph = GraphDecoder(model, cache) if use_graphs else None
+        self.tainted = False  # the cache holds states computed with a passthrough's actions
 
     def prepare(self, prompt: List[int], passthrough: Optional[Any], context_shift: bool) -> Tuple[torch.Tensor, int]:
         """Bring the cache to `prompt` reusing what it can; returns (last logits [V], reused token count)."""
         cache = self.cache
-        if passthrough is not None:
-            cache.reset()  # cached states were computed without this request's actions
+        if passthrough is not None or self.tainted:
+            cache.reset()  # states computed with other (or without these) actions must not be reused
         elif context_shift:
             shift = find_shift(cache.tokens, prompt)
             if shift is not None:
                 self.model.shift_cache(cache, *shift)
         reuse = min(common_prefix(cache.tokens, prompt), len(prompt) - 1)
         cache.truncate(reuse)
+        self.tainted = passthrough is not None
         return self.feed(prompt[reuse:], passthrough), reuse
 
     def feed(self, ids: Sequence[int], passthrough: Optional[Any]) -> torch.Tensor:

@@ -30,7 +30,6 @@ class RequestPassthrough:
 
         pt = build_passthrough(self.spec, active.lm.model, self.config, prompt_tokens=len(req.prompt_ids),
                                max_new_tokens=req.max_new_tokens, max_positions=active.max_context)
-        pt.begin(len(req.prompt_ids))
         req.passthrough = pt
         return pt
 
