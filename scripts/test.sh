@@ -15,7 +15,7 @@ VPY=.venv/bin/python
 echo "test: ruff" >&2
 "$VPY" -m ruff check kobold_backend tests tools
 echo "test: vermin (Python >= 3.8)" >&2
-"$VPY" -m vermin -q -t=3.8- --no-tips --violations kobold_backend >/dev/null
+.venv/bin/vermin -q -t=3.8- --no-tips --violations kobold_backend >/dev/null
 if command -v nvcc >/dev/null 2>&1; then
   echo "test: compiling the CUDA sources with $(nvcc --version | tail -1)" >&2
   "$VPY" -m kobold_backend.ops.build --check-cuda
