@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from kobold_backend.errors import RequestError
 from kobold_backend.host.settings import PLUGIN_FOLDER, read_settings, write_settings
+
+PASSTHROUGH_ENV = "KOBOLD_BACKEND_PASSTHROUGH"
 
 model_backend_name = "kobold_backend"
 model_backend_type = "GPTQ"
@@ -211,6 +215,8 @@ class KoboldBackendMixin:
         self.input_values: Optional[Dict[str, Any]] = None
         self.load_values: Dict[str, Any] = {}
         self.bracket_tokens: List[int] = []
+        self._passthrough_config: Any = None
+        self.last_passthrough_results: List[Any] = []
         self._setup_united_hooks()
 
     @property
@@ -449,11 +455,16 @@ class KoboldBackendMixin:
         # No seed: draw one from torch's global RNG, which United seeds for API calls with sampler_seed.
         base_seed = int(seed) if seed is not None else int(torch.randint(0, 2 ** 62, (1,)).item())
 
+        spec = kwargs.get("passthrough")
+        self.last_passthrough_results = []
+
         def request(row: int) -> Any:
+            passthrough = self._passthrough(spec, len(prompt), budget)
+            if passthrough is not None and hasattr(passthrough, "results"):
+                self.last_passthrough_results.append(passthrough)
             return GenerationRequest(
                 prompt_ids=list(prompt), max_new_tokens=budget, settings=settings, ban_eos=ban_eos,
-                seed=base_seed + row, abort=self._abort_event,
-                passthrough=kwargs.get("passthrough"),
+                seed=base_seed + row, abort=self._abort_event, passthrough=passthrough,
             )
 
         rows = [_Row(self.generator.stream(request(0)))]
@@ -494,6 +505,25 @@ class KoboldBackendMixin:
         return self._result_class(
             model=self, out_batches=out, prompt=prompt_tokens, is_whole_generation=True, single_line=single_line
         )
+
+    def _passthrough(self, spec: Any, prompt_tokens: int, budget: int) -> Any:
+        """The forward actions of a `passthrough` keyword: a dict spec is validated and built (only when
+        KOBOLD_BACKEND_PASSTHROUGH names a folder with vectors/, loras/ and captures/ inside); an object
+        with after_layer/linear_delta from Python code is used as it is."""
+        if spec is None or not isinstance(spec, dict):
+            return spec
+        root = os.environ.get(PASSTHROUGH_ENV)
+        if not root:
+            raise RequestError(f"passthrough is disabled in this backend; set {PASSTHROUGH_ENV} to a folder "
+                               "holding vectors/, loras/ and captures/ (docs/passthrough.md)", "passthrough")
+        from kobold_backend.engine.passthrough import PassthroughConfig, build_passthrough
+
+        if self._passthrough_config is None:
+            base = Path(root)
+            self._passthrough_config = PassthroughConfig(vectors_dir=base / "vectors", lora_dir=base / "loras",
+                                                         capture_output_dir=base / "captures")
+        return build_passthrough(spec, self.generator.model, self._passthrough_config,
+                                 prompt_tokens=prompt_tokens, max_new_tokens=budget)
 
     def _extra_rows(self, batch: int, request: Callable[[int], Any], generator_cls: Any, need: int) -> List[_Row]:
         """Rows 1..batch-1, each on its own cache started from a copy of row 0's prefilled prompt."""
