@@ -21,7 +21,7 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE ${GPU_TESTS:-te
   > "$OUT/gpu_tests.log" 2>&1; echo "rc=$? in $((SECONDS - t)) s"; tail -15 "$OUT/gpu_tests.log"
 echo "== kernel timings"; timeout 40 python3 tools/ext_timing.py > "$OUT/timing.txt" 2>&1; tail -20 "$OUT/timing.txt"
 echo "== bench"; t=$SECONDS
-timeout 300 python3 -m kobold_backend.cli bench --preset llama2-7b --compare --json "$OUT/h200.json" 2>&1 \
+timeout 300 python3 -m kobold_backend.bench --preset llama2-7b --compare --json "$OUT/h200.json" 2>&1 \
   | grep -v -i warn | tail -12; echo "bench in $((SECONDS - t)) s"
-timeout 75 python3 -m kobold_backend.cli bench --preset llama2-7b --act-order --json "$OUT/h200_act_order.json" 2>&1 \
+timeout 75 python3 -m kobold_backend.bench --preset llama2-7b --act-order --json "$OUT/h200_act_order.json" 2>&1 \
   | grep -v -i warn | tail -4
