@@ -32,6 +32,7 @@ from kobold_backend.server.openai_schemas import (
     parse_completion,
 )
 from kobold_backend.server.queue import POLL_SECONDS, Job, ServiceBusy, WorkQueue
+from kobold_backend.server.schemas import grammar_constraint
 from kobold_backend.server.state import ServerState, client_disconnected, get_state, read_json
 
 log = logging.getLogger(__name__)
@@ -225,7 +226,8 @@ def _job(state: ServerState, active: ActiveModel, req: OpenAIRequest, plan: List
             if results and job.abort_event.is_set():
                 break
             job.new_run()
-            gen_req = engine_request(req.params, choice.prompt_ids, choice.max_new, choice.seed, job.abort_event)
+            gen_req = engine_request(req.params, choice.prompt_ids, choice.max_new, choice.seed, job.abort_event,
+                                     grammar_constraint(req.params, active.tokenizer))
             pt = extra.attach(active, gen_req) if extra is not None else None
             pieces: List[str] = []
             reason: Optional[str] = None

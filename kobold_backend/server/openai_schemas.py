@@ -112,6 +112,10 @@ def _sampler_params(body: Dict[str, Any], default_max_tokens: Optional[int]) -> 
             kobold[name] = value
     if "max_length" not in present and default_max_tokens is not None:
         kobold["max_length"] = default_max_tokens
+    schema = _response_format(body)
+    if schema is not None:
+        kobold["json_schema"] = schema
+        sent_as["json_schema"] = "response_format"
     try:
         return parse_generate(kobold)
     except ValidationFailed as e:
@@ -135,9 +139,25 @@ def _unsupported(body: Dict[str, Any]) -> None:
     for key in ("tools", "functions"):
         if body.get(key):
             raise invalid(key, f"'{key}' (tool calling) is not supported.")
+
+
+def _response_format(body: Dict[str, Any]) -> Optional[Any]:
+    """The JSON schema that response_format asks for: json_schema's schema, {"type": "object"} for json_object, None
+    for text."""
     fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise invalid("response_format", "Only response_format {\"type\": \"text\"} is supported.")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, str)):
+            raise invalid("response_format", "response_format json_schema needs "
+                                             "{\"json_schema\": {\"schema\": {...}}}.")
+        return schema
+    raise invalid("response_format", "response_format type must be text, json_object or json_schema.")
 
 
 def _common(body: Any) -> Tuple[Dict[str, Any], bool, bool]:
@@ -271,15 +291,17 @@ def first_seed(params: GenerateParams) -> int:
     return seed if seed >= 0 else random.getrandbits(63)
 
 
-def engine_request(params: GenerateParams, prompt_ids: List[int], max_new: int, seed: int, abort: Any) -> Any:
-    """The GenerationRequest of one choice: the KoboldAI sampler settings, stop strings cut from the output."""
+def engine_request(params: GenerateParams, prompt_ids: List[int], max_new: int, seed: int, abort: Any,
+                   grammar: Any = None) -> Any:
+    """The GenerationRequest of one choice: the KoboldAI sampler settings, stop strings cut from the output, and the
+    choice's own GrammarConstraint (schemas.grammar_constraint) when the body has a grammar."""
     from kobold_backend.engine.generator import GenerationRequest
 
     return GenerationRequest(
         prompt_ids=list(prompt_ids), max_new_tokens=max_new, settings=sampler_settings(params),
         stop_strings=tuple(params.stop_sequence), ban_eos=params.use_default_badwordsids,
         bypass_eos=params.bypass_eos, seed=seed % (MAX_SEED + 1), abort=abort,
-        banned_strings=tuple(params.banned_tokens), trim_stop=True,
+        banned_strings=tuple(params.banned_tokens), trim_stop=True, grammar=grammar,
     )
 
 

@@ -110,8 +110,12 @@ FIELDS: Tuple[Field, ...] = (
     F("beam_length", "integer", 8, "Beam search look-ahead in tokens before a token is committed.", minimum=1,
       maximum=64),
     F("genkey", "string", "", "Client handle for /api/extra/generate/check and /api/extra/abort."),
-    F("grammar", "string", "", "Accepted; GBNF grammars are not supported and are ignored.", used=False),
-    F("grammar_retain_state", "boolean", False, "Accepted and ignored.", used=False),
+    F("grammar", "string", "", "GBNF (or Lark) grammar the output must match; EOS only once it is complete. "
+      "Needs the llguidance package; an invalid grammar is a 422 with the parser's message."),
+    F("json_schema", "schema", None, "JSON schema (an object or a JSON string) the output must match, as in "
+      "TabbyAPI; not together with grammar."),
+    F("grammar_retain_state", "boolean", False, "Accepted and ignored (each request starts the grammar afresh).",
+      used=False),
     F("images", "any_list", (), "Accepted and ignored (no vision support).", used=False),
     F("render_special", "boolean", False, "Accepted and ignored.", used=False),
     F("logprobs", "boolean", False, "Accepted and ignored.", used=False),
@@ -266,6 +270,10 @@ def _convert(f: Field, value: Any) -> Any:
         return _int_list(f, value)
     if f.kind == "bias_map":
         return _bias_map(value)
+    if f.kind == "schema":
+        if not isinstance(value, (dict, str)):
+            raise ValueError("Not a valid JSON schema (an object or a JSON string of one).")
+        return value
     if f.kind == "any_list":
         if not isinstance(value, (list, tuple)):
             raise ValueError("Not a valid list.")
@@ -377,6 +385,17 @@ def fit_prompt(tokenizer: Any, memory: str, prompt: str, budget: int) -> List[in
     return bos + mem + (body[len(body) - room:] if room else [])
 
 
+def grammar_constraint(params: GenerateParams, tokenizer: Any) -> Any:
+    """A fresh GrammarConstraint for `grammar` or `json_schema`, or None; RequestError (422) when it is invalid or
+    llguidance is missing."""
+    gbnf = params.grammar if params.grammar.strip() else None
+    if gbnf is None and params.json_schema is None:
+        return None
+    from kobold_backend.engine.grammar import GrammarConstraint
+
+    return GrammarConstraint.build(tokenizer, gbnf=gbnf, json_schema=params.json_schema)
+
+
 def build_requests(params: GenerateParams, tokenizer: Any, server_context: int, default_max_length: int,
                    abort: Any = None) -> List[Any]:
     """One GenerationRequest per completion (n); seeds are consecutive from sampler_seed (or random)."""
@@ -399,6 +418,7 @@ def build_requests(params: GenerateParams, tokenizer: Any, server_context: int, 
             seed=(seed + i) % (MAX_SEED + 1), abort=abort, banned_strings=tuple(params.banned_tokens),
             trim_stop=params.trim_stop, negative_prompt_ids=negative, guidance_scale=params.guidance_scale,
             num_beams=params.num_beams, beam_length=params.beam_length,
+            grammar=grammar_constraint(params, tokenizer),
         )
         for i in range(n)
     ]
@@ -436,6 +456,8 @@ def _field_schema(f: Field, alias_of: Optional[str]) -> Dict[str, Any]:
              "maxItems": f.max_items}
     elif f.kind == "bias_map":
         s = {"type": "object", "additionalProperties": {"type": "number"}}
+    elif f.kind == "schema":
+        s = {"oneOf": [{"type": "object"}, {"type": "string"}]}
     else:
         s = {"type": "array", "items": {}}
     if f.default is not None and not alias_of:
