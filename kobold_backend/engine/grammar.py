@@ -9,6 +9,7 @@ import threading
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Union
 
+import numpy as np
 import torch
 
 from kobold_backend.engine.tokenizer import Tokenizer
@@ -103,7 +104,6 @@ class GrammarConstraint:
         self._matcher = matcher
         self.vocab_size = vocab_size
         self.eos_ids = tuple(eos_ids)
-        self._shifts: Dict[torch.device, torch.Tensor] = {}
 
     @classmethod
     def build(cls, tokenizer: Tokenizer, *, gbnf: Optional[str] = None,
@@ -136,16 +136,13 @@ class GrammarConstraint:
     def allowed_mask(self, device: Union[torch.device, str] = "cpu", size: Optional[int] = None) -> torch.Tensor:
         """Bool [size or vocab_size]: True where the token may come next (EOS only when the grammar is complete).
         Ids past the tokenizer's vocabulary (a model's padded vocabulary) are never allowed."""
-        device = torch.device(device)
-        packed = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.uint8).to(device)
-        shifts = self._shifts.get(device)
-        if shifts is None:
-            shifts = self._shifts[device] = torch.arange(8, dtype=torch.uint8, device=device)
-        bits = ((packed.unsqueeze(1) >> shifts) & 1).reshape(-1).bool()
         size = self.vocab_size if size is None else size
-        if bits.numel() >= size:
-            return bits[:size]
-        return torch.cat([bits, torch.zeros(size - bits.numel(), dtype=torch.bool, device=device)])
+        # llguidance's mask: one bit per token, little-endian 32-bit words (token i is bit i % 8 of byte i // 8)
+        bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        mask = np.zeros(size, dtype=np.bool_)
+        n = min(size, self.vocab_size, bits.size)
+        mask[:n] = bits[:n]
+        return torch.from_numpy(mask).to(device)
 
     def constrain(self, logits: torch.Tensor, banned: Iterable[int] = ()) -> torch.Tensor:
         """A copy of `logits` [V] with -inf on the tokens the grammar rejects and on `banned`; when the bans would
@@ -157,7 +154,7 @@ class GrammarConstraint:
             kept[banned] = False
             if bool(kept.any()):
                 mask = kept
-        return logits.masked_fill(~mask.to(logits.device), float("-inf"))
+        return torch.where(mask.to(logits.device), logits, float("-inf"))
 
     def accept(self, token_id: int) -> None:
         """Advance the grammar by one generated token."""
