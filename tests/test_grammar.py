@@ -353,6 +353,17 @@ def test_invalid_grammar_is_422_with_the_parsers_message(client: Any, body: Dict
         assert list(detail) == [field] and needle in detail[field][0]
 
 
+def test_missing_llguidance_over_http(client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kobold_backend.engine.grammar import MISSING_LIBRARY
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    resp = _kobold(client, grammar=YES_NO)
+    assert resp.status_code == 422 and resp.get_json() == {"detail": {"grammar": [MISSING_LIBRARY]}}
+    resp = _openai(client, "/v1/completions", prompt="x", response_format={"type": "json_object"})
+    assert resp.status_code == 400 and resp.get_json()["error"]["message"] == MISSING_LIBRARY
+    assert _kobold(client, max_length=2).status_code == 200  # requests without a grammar are unaffected
+
+
 def test_json_schema_field_type_is_validated(client: Any) -> None:
     resp = _kobold(client, json_schema=5)
     assert resp.status_code == 422
