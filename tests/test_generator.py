@@ -184,3 +184,15 @@ def test_decode_step_with_device_position_matches_forward(lm) -> None:
     pos = torch.tensor([cache.seq_len])
     step = model.decode_step(ids[:, -1:], pos, cache, 64)
     assert torch.allclose(step[0, -1], full[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_banned_phrase_with_guidance_scale_zero_stays_finite(lm) -> None:
+    """scale 0 is the negative prompt alone; a position ban must not turn into 0 * -inf = NaN."""
+    gen = Generator(lm.model, lm.tokenizer)
+    prompt, negative = _prompt(lm, 50), _prompt(lm, 51, 10)
+    base = gen.generate(GenerationRequest(prompt, 12, GREEDY, ban_eos=True, negative_prompt_ids=negative,
+                                          guidance_scale=0.0)).text
+    phrase = base[2:6]
+    out = gen.generate(GenerationRequest(prompt, 12, GREEDY, ban_eos=True, negative_prompt_ids=negative,
+                                         guidance_scale=0.0, banned_strings=[phrase]))
+    assert phrase.lower() not in out.text.lower()

@@ -300,11 +300,11 @@ class Generator:
                     token = next(beams)
                 else:
                     extra = position_bans.get(len(generated))
-                    if extra and req.grammar is None:
-                        logits = logits.clone()
-                        logits[list(extra)] = float("-inf")
                     scores = logits if guide is None else classifier_free_guidance(
                         logits, guide_logits, req.guidance_scale)
+                    if extra and req.grammar is None:  # after the CFG mix: -inf there is never 0 * -inf
+                        scores = scores.clone()
+                        scores[list(extra)] = float("-inf")
                     if req.grammar is not None:
                         # -inf where the grammar rejects the token; it takes the position bans too
                         scores = req.grammar.constrain(scores, extra or ())
