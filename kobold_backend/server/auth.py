@@ -23,7 +23,7 @@ def _needs_key(path: str) -> bool:
     return not path.endswith(PUBLIC_SUFFIXES)
 
 
-def _key_ok(expected: str) -> bool:
+def key_ok(expected: str) -> bool:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer":
@@ -31,7 +31,7 @@ def _key_ok(expected: str) -> bool:
     return hmac.compare_digest(token.strip().encode(), expected.encode())
 
 
-def _allowed_origin(origins: Tuple[str, ...], origin: Optional[str]) -> Optional[str]:
+def allowed_origin(origins: Tuple[str, ...], origin: Optional[str]) -> Optional[str]:
     if not origins:
         return None
     if "*" in origins:
@@ -45,22 +45,27 @@ def install_auth_and_cors(app: Flask, config: ServerConfig) -> None:
     @app.before_request
     def _check_key() -> Any:
         if config.api_key and request.method != "OPTIONS" and _needs_key(request.path):
-            if not _key_ok(config.api_key):
+            if not key_ok(config.api_key):
                 e = Unauthorized()
                 return error_response(e.status, e.body(), {"WWW-Authenticate": "Bearer"})
         return None
 
     @app.after_request
     def _cors(resp: Any) -> Any:
-        if not request.path.startswith("/api/"):
-            return resp
-        allowed = _allowed_origin(config.cors_origins, request.headers.get("Origin"))
-        if allowed is None:
-            return resp
-        resp.headers["Access-Control-Allow-Origin"] = allowed
-        if allowed != "*":
-            resp.headers.add("Vary", "Origin")
-        resp.headers["Access-Control-Allow-Methods"] = ALLOWED_METHODS
-        resp.headers["Access-Control-Allow-Headers"] = ALLOWED_HEADERS
-        resp.headers["Access-Control-Max-Age"] = "600"
+        if request.path.startswith("/api/"):
+            add_cors_headers(resp, config.cors_origins, ALLOWED_METHODS, ALLOWED_HEADERS)
         return resp
+
+
+def add_cors_headers(resp: Any, origins: Tuple[str, ...], methods: str, headers: str) -> Any:
+    """CORS headers for the request's Origin when `origins` allows it (nothing otherwise)."""
+    allowed = allowed_origin(origins, request.headers.get("Origin"))
+    if allowed is None:
+        return resp
+    resp.headers["Access-Control-Allow-Origin"] = allowed
+    if allowed != "*":
+        resp.headers.add("Vary", "Origin")
+    resp.headers["Access-Control-Allow-Methods"] = methods
+    resp.headers["Access-Control-Allow-Headers"] = headers
+    resp.headers["Access-Control-Max-Age"] = "600"
+    return resp

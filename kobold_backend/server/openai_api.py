@@ -16,7 +16,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from kobold_backend.errors import OutOfContextError, RequestError
 from kobold_backend.server import passthrough, sse
-from kobold_backend.server.auth import ALLOWED_HEADERS, _allowed_origin, _key_ok
+from kobold_backend.server.auth import ALLOWED_HEADERS, add_cors_headers, key_ok
 from kobold_backend.server.chat_template import ChatFormatter, TemplateCompileError, TemplateRenderError, model_template
 from kobold_backend.server.engine_holder import ActiveModel
 from kobold_backend.server.errors import BUSY_MESSAGE, ApiError
@@ -81,7 +81,7 @@ class Meta:
 @bp.before_request
 def _check_key() -> Any:
     key = get_state().config.api_key
-    if key and request.method != "OPTIONS" and not _key_ok(key):
+    if key and request.method != "OPTIONS" and not key_ok(key):
         return _error_response(OpenAIError("Incorrect API key provided.", 401, None, "invalid_api_key",
                                            {"WWW-Authenticate": "Bearer"}))
     return None
@@ -91,17 +91,8 @@ def _check_key() -> Any:
 def _cors(resp: Any) -> Any:
     """Like /api, but the preflight's requested headers are allowed as asked: OpenAI's JavaScript client sends
     its own X-Stainless-* headers."""
-    allowed = _allowed_origin(get_state().config.cors_origins, request.headers.get("Origin"))
-    if allowed is None:
-        return resp
-    resp.headers["Access-Control-Allow-Origin"] = allowed
-    if allowed != "*":
-        resp.headers.add("Vary", "Origin")
-    resp.headers["Access-Control-Allow-Methods"] = CORS_METHODS
-    resp.headers["Access-Control-Allow-Headers"] = request.headers.get("Access-Control-Request-Headers",
-                                                                       ALLOWED_HEADERS)
-    resp.headers["Access-Control-Max-Age"] = "600"
-    return resp
+    asked = request.headers.get("Access-Control-Request-Headers", ALLOWED_HEADERS)
+    return add_cors_headers(resp, get_state().config.cors_origins, CORS_METHODS, asked)
 
 
 def _error_response(e: OpenAIError) -> Response:
