@@ -82,13 +82,26 @@ def _module_name(kind: str) -> str:
     return f"kobold_backend._ext_{kind}"
 
 
+# Where a prebuilt module may live: built into the package (`pip install .`), else the prebuilt-wheel package
+# `kobold_backend_ext` (`kobold-backend install-ext`, see kobold_backend/wheels.py).
+PREBUILT_PACKAGES = ("kobold_backend", "kobold_backend_ext")
+
+
 def _import_prebuilt(kind: str) -> Any:
     """The installed module, or None when none is installed; ExtensionError when one exists but fails."""
-    name = _module_name(kind)
+    for package in PREBUILT_PACKAGES:
+        module = _import_prebuilt_from(package, kind)
+        if module is not None:
+            return module
+    return None
+
+
+def _import_prebuilt_from(package: str, kind: str) -> Any:
+    name = f"{package}._ext_{kind}"
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
-        if exc.name == name:
+        if exc.name in (name, package):
             return None
         raise ExtensionError(
             f"The prebuilt kernel module {name} failed to import ({_one_line(exc)}); reinstall kobold-backend "
@@ -279,7 +292,8 @@ def load(kind: str, mode: Optional[str] = None) -> LoadResult:
                 if mode == "prebuilt":
                     raise ExtensionError(
                         f"{ENV_MODE}=prebuilt but {missing}; build it with `pip install .` (or `python setup.py "
-                        f"build_ext --inplace`) or set {ENV_MODE}=auto."
+                        f"build_ext --inplace`), install a prebuilt wheel with `kobold-backend install-ext`, or set "
+                        f"{ENV_MODE}=auto."
                     )
                 problems.append(missing)
             else:
@@ -411,6 +425,16 @@ def _driver_info() -> Tuple[Optional[str], Optional[int]]:
     return version, cuda
 
 
+def _wheel_lines() -> List[str]:
+    """The prebuilt-wheel decision (kobold_backend/wheels.py) as doctor lines; one line if that check fails."""
+    try:
+        from kobold_backend import wheels
+
+        return wheels.doctor_lines()
+    except Exception as exc:  # the doctor reports every failure instead of raising
+        return [f"Prebuilt wheel check failed: {_one_line(exc)}"]
+
+
 def doctor_report() -> str:
     """A multi-line report: Python, torch, CUDA runtime and driver, GPUs, and the active kernel paths."""
     lines = [
@@ -434,6 +458,7 @@ def doctor_report() -> str:
         lines.append("GPUs: none visible to torch")
     info = status()
     lines.append(f"kobold_backend {kobold_backend.__version__}, {ENV_MODE}={info['mode']}")
+    lines += _wheel_lines()
     for kind in KINDS:
         entry = info[kind]
         where = f" {entry['file']}" if entry.get("file") else ""
