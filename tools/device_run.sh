@@ -20,7 +20,7 @@ echo "== GPU tests"; t=$SECONDS
 timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE ${GPU_TESTS:-tests/test_ext_cuda.py tests/test_host_backend.py tests/test_passthrough_gpu.py} \
   > "$OUT/gpu_tests.log" 2>&1; echo "rc=$? in $((SECONDS - t)) s"; tail -15 "$OUT/gpu_tests.log"
 echo "== bench"; t=$SECONDS
-timeout 300 python3 -m kobold_backend.bench --preset llama2-7b --compare --json "$OUT/h200.json" 2>&1 \
+timeout 300 python3 -m kobold_backend.bench --preset llama2-7b ${BENCH_COMPARE---compare} --json "$OUT/h200.json" 2>&1 \
   | grep -v -i warn | tail -12; echo "bench in $((SECONDS - t)) s"
 timeout 75 python3 -m kobold_backend.bench --preset llama2-7b --act-order --json "$OUT/h200_act_order.json" 2>&1 \
   | grep -v -i warn | tail -4
