@@ -355,7 +355,7 @@ class Generator:
             t2 = time.perf_counter()
             self.stats = GenerationStats(
                 prompt_tokens=len(prompt), reused_tokens=reuse, completion_tokens=len(generated),
-                prefill_seconds=t1 - t0, decode_seconds=t2 - t1, finish_reason=reason, seed=req.seed,
+                prefill_seconds=t1 - t0, decode_seconds=t2 - t1, finish_reason=reason, seed=sampler.seed,
                 total_generations=self.stats.total_generations + 1,
             )
 
