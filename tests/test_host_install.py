@@ -21,6 +21,7 @@ from typing import Dict
 import pytest
 
 import kobold_backend
+from kobold_backend import wheels
 from kobold_backend.cli import main as cli_main
 from kobold_backend.host.install import (
     MANIFEST,
@@ -89,6 +90,12 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
 
 
+def kernel_wheel(python: Path) -> set:
+    """{"kobold-backend-ext"} when the committed wheel index has a wheel for the host's environment, else {}."""
+    decision = wheels.select(wheels.probe(str(python)), wheels.load_index(wheels.default_index_path())["entries"])
+    return {"kobold-backend-ext"} if decision.entry is not None else set()
+
+
 def host_import(python: Path, code: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([str(python), "-c", code], cwd=str(cwd), capture_output=True, text=True)
 
@@ -106,17 +113,18 @@ def test_install_uninstall_reinstall(koboldai: Path, checkpoints: CheckpointFact
     requirements = project_requirements() + ["kbtestdep>=1.0"]
     pip_args = ["--no-index", "--find-links", str(wheelhouse)]
     lines = []
+    ext = kernel_wheel(python)
 
     manifest = install(koboldai, verify_model=model, pip_args=pip_args, requirements=requirements, say=lines.append)
     assert any("Installing missing dependencies: kbtestdep>=1.0" in line for line in lines)
-    assert manifest["packages"] == ["kbtestdep", "kobold-backend"]
+    assert manifest["packages"] == sorted({"kbtestdep", "kobold-backend"} | ext)
     assert manifest["verified"]["is_valid"] is True and manifest["verified"]["disable"] is False
     site = Path(manifest["verified"]["package"]).resolve()
     assert str(site).startswith(str(koboldai.resolve() / "runtime")), site
     assert (plugin / "class.py").is_file() and (plugin / MANIFEST).is_file()
     installed = freeze(python, koboldai)
     assert {k: v for k, v in installed.items() if k in original} == original  # pins untouched
-    assert set(installed) - set(original) == {"kobold-backend", "kbtestdep"}
+    assert set(installed) - set(original) == {"kobold-backend", "kbtestdep"} | ext
 
     # United's import of the shim, in the host's Python, with the folder browser's is_valid
     probe = host_import(python, (
@@ -139,8 +147,8 @@ def test_install_uninstall_reinstall(koboldai: Path, checkpoints: CheckpointFact
     assert not uninstall(koboldai, say=lines.append)  # nothing left to remove
 
     reinstalled = install(koboldai, verify_model=model, say=lines.append)
-    assert reinstalled["packages"] == ["kobold-backend"] and reinstalled["verified"]["is_valid"] is True
-    assert set(freeze(python, koboldai)) - set(original) == {"kobold-backend"}
+    assert reinstalled["packages"] == sorted({"kobold-backend"} | ext) and reinstalled["verified"]["is_valid"] is True
+    assert set(freeze(python, koboldai)) - set(original) == {"kobold-backend"} | ext
 
 
 def test_refuses_a_folder_that_is_not_koboldai(tmp_path: Path) -> None:
