@@ -12,8 +12,11 @@
 #include <omp.h>
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && __GNUC__ >= 12
 #define KB_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "avx", "default")))
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+// gcc 11 has no dispatcher for the arch=x86-64-vN levels: clone on the ISA extensions instead.
+#define KB_CLONES __attribute__((target_clones("avx512f", "avx2", "avx", "default")))
 #else
 #define KB_CLONES
 #endif
