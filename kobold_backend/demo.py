@@ -71,6 +71,15 @@ def shipped_demo_dir() -> Optional[Path]:
     return None
 
 
+def demo_label(path: Optional[Union[str, Path]] = None) -> str:
+    """How to present the demo model at `path` (default: the one ensure_demo_model would give) to a person."""
+    shipped = shipped_demo_dir()
+    if shipped is not None and (path is None or Path(path).resolve() == shipped.resolve()):
+        return ("Demo model: a tiny 6.5M-parameter Llama trained on licence texts and Python's documentation "
+                "(4-bit); it writes plausible fragments, not answers. Load a real model for real use.")
+    return "Demo model: random weights, the output is gibberish (the trained demo model is not installed)."
+
+
 def ensure_demo_model(cache_dir: Optional[Union[str, Path]] = None, progress: Optional[Progress] = None) -> Path:
     """Return the demo model folder: the trained checkpoint shipped in the package when it is there (nothing is
     built, `progress` is not called); otherwise the random-weight fallback, built first if needed under

@@ -1,5 +1,5 @@
-"""The built-in demo checkpoint: built once, atomically, loadable by the engine, the same model as transformers sees,
-and clearly labelled as random weights."""
+"""The random-weight fallback demo checkpoint (used only when the shipped trained model is missing): built once,
+atomically, loadable by the engine, the same model as transformers sees, and clearly labelled as random weights."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return demo.ensure_demo_model(tmp_path_factory.mktemp("cache"))
+    return demo.build_random_demo_model(tmp_path_factory.mktemp("cache"))
 
 
 def test_built_once_into_a_versioned_folder(demo_dir: Path) -> None:
@@ -29,7 +29,7 @@ def test_built_once_into_a_versioned_folder(demo_dir: Path) -> None:
     assert sorted(p.name for p in demo_dir.parent.iterdir()) == [demo_dir.name]  # no temporary folder left
     stamp = (demo_dir / "model.safetensors").stat().st_mtime_ns
     calls = []
-    assert demo.ensure_demo_model(demo_dir.parent, progress=lambda *a: calls.append(a)) == demo_dir
+    assert demo.build_random_demo_model(demo_dir.parent, progress=lambda *a: calls.append(a)) == demo_dir
     assert calls == [] and (demo_dir / "model.safetensors").stat().st_mtime_ns == stamp
 
 
@@ -40,7 +40,7 @@ def test_model_card_says_random_weights(demo_dir: Path) -> None:
 
 def test_progress_is_reported_as_load_model_does(tmp_path: Path) -> None:
     calls = []
-    demo.ensure_demo_model(tmp_path, progress=lambda done, total, message: calls.append((done, total, message)))
+    demo.build_random_demo_model(tmp_path, progress=lambda done, total, message: calls.append((done, total, message)))
     assert calls[-1][0] == calls[-1][1] and all(isinstance(m, str) for _, _, m in calls)
 
 
@@ -50,7 +50,7 @@ def test_a_failed_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monke
 
     monkeypatch.setattr(demo, "_random_weights", broken)
     with pytest.raises(RuntimeError, match="disk full"):
-        demo.ensure_demo_model(tmp_path)
+        demo.build_random_demo_model(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -81,7 +81,8 @@ def test_matches_transformers(demo_dir: Path) -> None:
 def test_does_not_import_transformers(tmp_path: Path) -> None:
     code = (
         "import sys, kobold_backend.demo as d\n"
-        f"d.ensure_demo_model({str(tmp_path)!r})\n"
+        f"d.build_random_demo_model({str(tmp_path)!r})\n"
+        "d.ensure_demo_model()\n"
         "assert 'transformers' not in sys.modules and 'tests' not in sys.modules\n"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO))

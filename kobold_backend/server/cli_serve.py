@@ -97,11 +97,11 @@ def run_serve(args: argparse.Namespace) -> int:
     holder = EngineHolder(load_kwargs={k: v for k, v in load_kwargs.items() if v is not None})
     path = args.model
     if path is None:
-        from kobold_backend.demo import ensure_demo_model
+        from kobold_backend.demo import demo_label, ensure_demo_model
 
         path = ensure_demo_model(progress=stderr_progress("building demo model"))
         holder.demo_path = Path(path).resolve()
-        log.warning("no --model given: serving the demo model (random weights, gibberish output) from %s", path)
+        log.warning("no --model given: serving the built-in demo model from %s. %s", path, demo_label(path))
     layer_devices = split_from_args(args, path, args.max_context)
     active = holder.load(Path(path), progress=stderr_progress("loading"), layer_devices=layer_devices,
                          device=args.device)

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 from flask import Blueprint, current_app, jsonify, request
 
+from kobold_backend.demo import demo_label
 from kobold_backend.server import models as model_files
 from kobold_backend.server.errors import ApiError
 from kobold_backend.server.queue import Job
@@ -29,6 +30,7 @@ def status() -> Any:
     return jsonify({
         "model": None if active is None else active.name,
         "is_demo": bool(active is not None and active.is_demo),
+        "demo_label": demo_label(active.path) if active is not None and active.is_demo else None,
         "max_context": None if active is None else active.max_context,
         "loading": state.holder.loading,
         "protected": bool(state.config.api_key),
@@ -40,7 +42,8 @@ def status() -> Any:
 @bp.get("/ui/models")
 def models() -> Any:
     found = model_files.list_models(get_state().config.models_dir)
-    return jsonify({"models": [{"id": model_files.DEMO_ID, "name": "Demo model (random weights)"}] + found})
+    demo = {"id": model_files.DEMO_ID, "name": "Demo model (built in)", "description": demo_label()}
+    return jsonify({"models": [demo] + found})
 
 
 def _model_path(name: Optional[str]) -> Any:

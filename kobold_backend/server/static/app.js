@@ -58,6 +58,7 @@ async function refreshStatus() {
   else if (st.model) $("status").textContent = "model: " + st.model + " · context " + st.max_context + " tokens";
   else $("status").textContent = "no model loaded";
   $("demo-badge").hidden = !st.is_demo;
+  if (st.demo_label) $("demo-badge").textContent = st.demo_label;
   if (st.max_context) {
     const ctx = $("max_context_length");
     ctx.max = st.max_context;
@@ -212,6 +213,7 @@ function samplerBody() {
   body.stop_sequence = $("stop_sequence").value.split("\n").filter((s) => s !== "")
     .map((s) => s.replace(/\\n/g, "\n"));
   body.trim_stop = $("trim_stop").checked;
+  body.use_default_badwordsids = $("ban_eos").checked;
   return body;
 }
 
