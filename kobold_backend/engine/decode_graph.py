@@ -18,6 +18,15 @@ from kobold_backend.engine.model import Model
 log = logging.getLogger(__name__)
 
 MIN_BUCKET = 256
+_capture_streams: Dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every capture: the native kernels keep a scratch buffer per stream, so a
+    fresh stream per capture would leave one more buffer behind each time a model is loaded."""
+    if device not in _capture_streams:
+        _capture_streams[device] = torch.cuda.Stream(device=device)
+    return _capture_streams[device]
 
 
 def graphs_supported(model: Model) -> bool:
@@ -59,7 +68,7 @@ class GraphDecoder:
 
     def _capture(self, length: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         log.debug("capturing a decode graph for attention length %d", length)
-        stream = torch.cuda.Stream(device=self.model.device)
+        stream = capture_stream(self.model.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up allocations and lazy initialisation outside the capture

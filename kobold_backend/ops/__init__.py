@@ -97,7 +97,9 @@ def decode_attention_at(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, length: int, scale: float
 ) -> torch.Tensor:
     k = _kernels(q)
-    if k is None:
+    if k is None or q.is_cuda:
+        # On the H200, inside a CUDA graph, torch's batched matmuls beat the native flash-decoding kernel at every
+        # length measured (8 vs 35 us at 128 positions, 27 vs 75 us at 4000; docs/performance.md).
         return reference.decode_attention_at(q, k_cache, v_cache, pos, length, scale)
     return k.decode_attention_at(q, k_cache, v_cache, pos, length, scale)
 
