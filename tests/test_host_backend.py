@@ -13,7 +13,7 @@ import shutil
 import sys
 import weakref
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 import sentencepiece as spm
@@ -38,15 +38,6 @@ RANDOM = dict(GREEDY, top_k=0)
 @pytest.fixture(scope="module")
 def model_dir(checkpoints: CheckpointFactory) -> Path:
     return checkpoints.get("dense_fp32").path
-
-
-@pytest.fixture
-def united(tmp_path: Path) -> Iterator[UnitedHost]:
-    host = UnitedHost(tmp_path / "KoboldAI")
-    write_shim(host.plugins / PLUGIN_FOLDER, __version__)
-    with host:
-        host.discover()
-        yield host
 
 
 def menu_item(path: Path) -> Dict[str, Any]:

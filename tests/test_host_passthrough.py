@@ -6,26 +6,14 @@ _raw_generate directly, as these tests do."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-from kobold_backend import __version__
 from kobold_backend.errors import RequestError
 from kobold_backend.host.backend import PASSTHROUGH_ENV
-from kobold_backend.host.settings import PLUGIN_FOLDER
-from kobold_backend.host.shim import write_shim
 from tests.test_host_backend import load, sample_with, tokens
 from tests.united_harness import GenerationSettings, UnitedHost
-
-
-@pytest.fixture
-def united(tmp_path: Path) -> Iterator[UnitedHost]:
-    host = UnitedHost(tmp_path / "KoboldAI")
-    write_shim(host.plugins / PLUGIN_FOLDER, __version__)
-    with host:
-        host.discover()
-        yield host
 
 
 def _greedy(host: UnitedHost) -> None:

@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
-import requests
 
-from tests.server_helpers import live_server, make_app
+from tests.server_helpers import live_server, make_app, perf, wait_for
 from tests.test_openai_chat_template import LLAMA2, LLAMA3, with_template
 from tests.test_server_cli import REPO, free_port, start_serve, stop
 
@@ -49,16 +48,6 @@ def client(server: Any) -> Any:
     return client_for(server)
 
 
-def perf(srv: Any) -> Dict[str, Any]:
-    return requests.get(srv.url + "/api/extra/perf", timeout=10).json()
-
-
-def wait_for(predicate: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
 
 
 def streamed_completion(client: Any, **kwargs: Any) -> Dict[int, str]:

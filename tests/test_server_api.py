@@ -16,7 +16,7 @@ import torch
 
 from kobold_backend.server import ServerConfig, create_app
 from kobold_backend.server.engine_holder import EngineHolder
-from tests.server_helpers import CONTEXT, make_app, make_holder
+from tests.server_helpers import CONTEXT, hf_greedy, make_app, make_holder, text_of
 
 CHECKPOINT = "dense_fp32"
 PROMPT = "The old lighthouse keeper climbed the stairs"
@@ -52,21 +52,6 @@ def client(app: Any) -> Any:
     return app.test_client()
 
 
-def hf_greedy(hf_model: Any, ids: List[int], n: int, eos: bool = True) -> List[int]:
-    """Greedy continuation by transformers (the oracle); stops at EOS unless eos is False."""
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, num_beams=1,
-                                eos_token_id=2 if eos else None, pad_token_id=0, attention_mask=None)
-    new = out[0, len(ids):].tolist()
-    if eos and 2 in new:
-        new = new[: new.index(2) + 1]
-    return new
-
-
-def text_of(sp: spm.SentencePieceProcessor, prompt_ids: List[int], new_ids: List[int]) -> str:
-    """The text the new ids add after the prompt (decoded in context, so a leading space is kept)."""
-    new_ids = [i for i in new_ids if i != 2]
-    return sp.decode(prompt_ids + new_ids)[len(sp.decode(prompt_ids)):]
 
 
 def generate(client: Any, **body: Any) -> Dict[str, Any]:

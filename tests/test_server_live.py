@@ -17,7 +17,7 @@ import requests
 import sentencepiece as spm
 
 from kobold_backend.server.queue import FINISHED_KEEP, Job
-from tests.server_helpers import live_server, make_app
+from tests.server_helpers import live_server, make_app, perf, wait_for
 
 BUSY = {"detail": {"msg": "Server is busy; please try again later.", "type": "service_unavailable"}}
 DELAY = 0.05  # seconds added to every forward pass of the "slow" server
@@ -41,16 +41,6 @@ def slow(ckpt: Any) -> Any:
         yield server
 
 
-def perf(server: Any) -> Dict[str, Any]:
-    return requests.get(server.url + "/api/extra/perf", timeout=10).json()
-
-
-def wait_for(predicate: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
 
 
 def slow_body(**extra: Any) -> Dict[str, Any]:
