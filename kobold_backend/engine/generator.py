@@ -21,7 +21,7 @@ from kobold_backend.engine.decode_graph import graphs_supported
 from kobold_backend.engine.lane import Lane
 from kobold_backend.engine.model import Model
 from kobold_backend.engine.sampling import Sampler, SamplerSettings
-from kobold_backend.engine.tokenizer import Tokenizer
+from kobold_backend.engine.tokenizer import Tokenizer, complete_utf8_prefix
 from kobold_backend.errors import OutOfContextError, RequestError
 
 MAX_BAN_REWINDS = 64
@@ -107,14 +107,7 @@ class _TextTracker:
 
     def complete_end(self) -> int:
         """Byte length of the longest prefix of buf that ends on a whole UTF-8 character."""
-        data = self.buf
-        for back in range(1, min(4, len(data)) + 1):
-            byte = data[-back]
-            if byte & 0xC0 == 0x80:
-                continue
-            need = 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4 if byte >> 3 == 0b11110 else 1
-            return len(data) - back if need > back else len(data)
-        return len(data)
+        return complete_utf8_prefix(self.buf)
 
     def find_stop(self) -> Optional[Tuple[int, int]]:
         """(start, end) bytes of the earliest complete stop string at or after the emitted text."""

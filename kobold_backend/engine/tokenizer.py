@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from kobold_backend.errors import ModelFormatError
 
@@ -84,6 +84,18 @@ class Tokenizer:
         return [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
 
 
+def complete_utf8_prefix(data: Union[bytes, bytearray]) -> int:
+    """Length of the longest prefix of `data` that does not end inside a UTF-8 character (a lead byte whose
+    continuation bytes have not all arrived)."""
+    for back in range(1, min(4, len(data)) + 1):  # at most 3 continuation bytes follow a lead byte
+        byte = data[-back]
+        if byte & 0xC0 == 0x80:
+            continue
+        need = 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4 if byte >> 3 == 0b11110 else 1
+        return len(data) - back if need > back else len(data)
+    return len(data)
+
+
 class StreamDecoder:
     """Turns token ids into text pieces, holding back bytes of an unfinished UTF-8 character."""
 
@@ -109,16 +121,7 @@ class StreamDecoder:
         if final:
             self.pending = b""
             return data.decode("utf-8", errors="replace")
-        cut = len(data)
-        # Walk back over at most 3 continuation bytes to find an unfinished lead byte.
-        for back in range(1, min(4, len(data)) + 1):
-            byte = data[-back]
-            if byte & 0xC0 == 0x80:
-                continue
-            need = 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4 if byte >> 3 == 0b11110 else 1
-            if need > back:
-                cut = len(data) - back
-            break
+        cut = complete_utf8_prefix(data)
         self.pending = data[cut:]
         return data[:cut].decode("utf-8", errors="replace")
 
