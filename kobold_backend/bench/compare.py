@@ -11,11 +11,7 @@ from typing import Any, Dict
 
 import torch
 
-from kobold_backend.bench.timing import sync, timed
-
-
-def _ids(n: int, vocab: int, seed: int) -> torch.Tensor:
-    return torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+from kobold_backend.bench.timing import random_ids, sync, timed
 
 
 def bench_exllamav2(path: str, prompt_lengths=(512, 2048), contexts=(128, 4000), decode_steps: int = 128,
@@ -40,7 +36,7 @@ def bench_exllamav2(path: str, prompt_lengths=(512, 2048), contexts=(128, 4000),
 
     prompt = {}
     for n in prompt_lengths:
-        ids = _ids(n, vocab, n)
+        ids = random_ids(n, vocab, n)
         prefill(ids)
         prompt[str(n)] = n / min(timed(lambda ids=ids: prefill(ids), dev) for _ in range(3))
     out["prompt_tokens_per_s"] = prompt
@@ -53,7 +49,7 @@ def bench_exllamav2(path: str, prompt_lengths=(512, 2048), contexts=(128, 4000),
 
     decode_rates = {}
     for ctx in contexts:
-        ids = _ids(ctx, vocab, ctx)
+        ids = random_ids(ctx, vocab, ctx)
         prefill(ids[:, :-1])
         decode(int(ids[0, -1]), 4)
         cache.current_seq_len = ctx - 1
@@ -61,7 +57,7 @@ def bench_exllamav2(path: str, prompt_lengths=(512, 2048), contexts=(128, 4000),
         decode_rates[str(ctx)] = decode_steps / timed(lambda first=first: decode(first, decode_steps), dev)
     out["decode_tokens_per_s"] = decode_rates
 
-    conv = _ids(chat_context + chat_new, vocab, 7)
+    conv = random_ids(chat_context + chat_new, vocab, 7)
 
     def full_prefill() -> None:
         cache.current_seq_len = 0
@@ -97,10 +93,10 @@ def bench_transformers(
     vocab = config.vocab_size
     out: Dict[str, Any] = {"version": _version("transformers")}
     with torch.inference_mode():
-        ids = _ids(prompt_length, vocab, 1).to(dev)
+        ids = random_ids(prompt_length, vocab, 1).to(dev)
         model(ids)
         out["prompt_tokens_per_s"] = {str(prompt_length): prompt_length / timed(lambda: model(ids), dev)}
-        ctx_ids = _ids(context, vocab, 2).to(dev)
+        ctx_ids = random_ids(context, vocab, 2).to(dev)
 
         def decode() -> None:
             res = model(ctx_ids, use_cache=True)

@@ -6,14 +6,9 @@ from typing import Any, Dict, List
 
 import torch
 
-from kobold_backend.bench.timing import copy_bandwidth, sync, timed
+from kobold_backend.bench.timing import copy_bandwidth, random_ids, sync, timed
 from kobold_backend.engine.decode_graph import GraphDecoder, graphs_supported
 from kobold_backend.engine.loader import load_model
-
-
-def _random_ids(n: int, vocab: int, seed: int, device: torch.device) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (1, n), generator=gen).to(device)
 
 
 def _decode(model: Any, cache: Any, graph: Any, first: int, steps: int) -> List[int]:
@@ -47,7 +42,7 @@ def bench_engine(path: str, device: str = "auto", prompt_lengths=(512, 2048), co
 
     prompt = {}
     for n in prompt_lengths:
-        ids = _random_ids(n, vocab, n, dev)
+        ids = random_ids(n, vocab, n, dev)
         cache.reset()
         model.forward(ids, cache)  # warm-up
         runs = []
@@ -59,7 +54,7 @@ def bench_engine(path: str, device: str = "auto", prompt_lengths=(512, 2048), co
 
     decode = {}
     for ctx in contexts:
-        ids = _random_ids(ctx, vocab, ctx, dev)
+        ids = random_ids(ctx, vocab, ctx, dev)
         cache.reset()
         model.forward(ids[:, :-1], cache)
         _decode(model, cache, graph, int(ids[0, -1]), 4)  # warm-up and graph capture for this bucket
@@ -69,7 +64,7 @@ def bench_engine(path: str, device: str = "auto", prompt_lengths=(512, 2048), co
         decode[str(ctx)] = decode_steps / secs
     result["decode_tokens_per_s"] = decode
 
-    conversation = _random_ids(chat_context + chat_new, vocab, 7, dev)
+    conversation = random_ids(chat_context + chat_new, vocab, 7, dev)
     cache.reset()
     model.forward(conversation, cache)
     cache.reset()
@@ -86,7 +81,7 @@ def bench_engine(path: str, device: str = "auto", prompt_lengths=(512, 2048), co
                            "first_call_ttft_s": first, "full_prefill_s": full, "ratio": turn / full}
 
     if graph is not None:
-        ids = _random_ids(64, vocab, 11, dev)
+        ids = random_ids(64, vocab, 11, dev)
         cache.reset()
         model.forward(ids[:, :-1], cache)
         with_graph = _decode(model, cache, graph, int(ids[0, -1]), 32)

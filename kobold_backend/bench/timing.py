@@ -1,4 +1,5 @@
-"""Timers that respect asynchronous devices: synchronise before reading the clock."""
+"""Timers that respect asynchronous devices (synchronise before reading the clock), and the random token ids
+every engine is timed on (the same seeds give every engine the same prompts)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,8 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 1
     dst.copy_(src)
     best = min(timed(lambda: dst.copy_(src), device) for _ in range(repeats))
     return 2 * nbytes / best
+
+
+def random_ids(n: int, vocab: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[1, n] token ids in 3..vocab-1 (no special ids), the same for a given seed on every engine."""
+    return torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(seed)).to(device)
