@@ -1,18 +1,19 @@
 """Load-time fusion of projections that read the same input (q/k/v, gate/up) into one wider weight.
 
 One wide product replaces two or three narrow ones: fewer launches per token and better use of the
-GPU. GPTQ layers fuse only when their act-order permutations agree.
+GPU. GPTQ layers fuse only when their act-order permutations agree; GGML block layers when they share a format.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 
 from kobold_backend.engine.gptq import GPTQWeight
+from kobold_backend.ops.ggml import GGMLWeight
 
-Weight = Union[torch.Tensor, GPTQWeight]
+Weight = Union[torch.Tensor, GPTQWeight, GGMLWeight]
 
 
 def concat_outputs(weights: Sequence[Weight]) -> Optional[Weight]:
@@ -23,6 +24,8 @@ def concat_outputs(weights: Sequence[Weight]) -> Optional[Weight]:
                    for w in weights):
             return None
         return torch.cat(list(weights), dim=0)  # type: ignore[arg-type]
+    if all(isinstance(w, GGMLWeight) for w in weights):
+        return _concat_ggml([w for w in weights if isinstance(w, GGMLWeight)])
     if not all(isinstance(w, GPTQWeight) for w in weights):
         return None
     gw = [w for w in weights if isinstance(w, GPTQWeight)]
@@ -46,4 +49,19 @@ def concat_outputs(weights: Sequence[Weight]) -> Optional[Weight]:
         in_features=first.in_features,
         out_features=sum(w.out_features for w in gw),
         bias=None if first.bias is None else torch.cat([w.bias for w in gw]),  # type: ignore[misc]
+    )
+
+
+def _concat_ggml(weights: List[GGMLWeight]) -> Optional[GGMLWeight]:
+    """Rows of blocks stack like dense rows when every part has the same format and input size."""
+    first = weights[0]
+    if not all(w.type_name == first.type_name and w.in_features == first.in_features
+               and w.data.device == first.data.device and (w.bias is None) == (first.bias is None) for w in weights):
+        return None
+    return GGMLWeight(
+        data=torch.cat([w.data for w in weights], dim=0),
+        type_name=first.type_name,
+        in_features=first.in_features,
+        out_features=sum(w.out_features for w in weights),
+        bias=None if first.bias is None else torch.cat([w.bias for w in weights]),  # type: ignore[misc]
     )

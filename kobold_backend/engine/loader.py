@@ -6,11 +6,13 @@ import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.gguf.checkpoint import open_gguf
+from kobold_backend.engine.gguf.weights import GGUFWeights
 from kobold_backend.engine.gptq import load_gptq_linear
 from kobold_backend.engine.model import Layer, Model, Weight
 from kobold_backend.engine.rope import cos_sin_tables
@@ -83,21 +85,26 @@ def load_model(
     progress: Optional[Progress] = None,
     with_tokenizer: bool = True,
 ) -> LoadedModel:
-    """Load a Llama-family checkpoint (dense or GPTQ 4-bit) from a folder.
+    """Load a Llama-family checkpoint (dense or GPTQ 4-bit) from a folder, or a GGUF file.
 
     `layer_devices` places each decoder layer (one entry per layer); otherwise all go to `device`.
     `with_tokenizer=False` skips the tokenizer (benchmarks on synthetic checkpoints).
     """
     folder = Path(path)
-    config = ModelConfig.from_dir(folder)
-    tokenizer = load_tokenizer(folder, config.bos_token_id, config.eos_token_ids) if with_tokenizer else None
+    reader: Union[WeightReader, GGUFWeights]
+    if folder.suffix == ".gguf" and folder.is_file():
+        config, tokenizer, reader = open_gguf(folder, with_tokenizer)
+    else:
+        config = ModelConfig.from_dir(folder)
+        tokenizer = load_tokenizer(folder, config.bos_token_id, config.eos_token_ids) if with_tokenizer else None
+        reader = WeightReader(folder)
     main = resolve_device(device)
     compute_dtype = resolve_dtype(dtype, main, config)
     if layer_devices is not None and len(layer_devices) != config.num_layers:
         raise ValueError(f"layer_devices has {len(layer_devices)} entries for {config.num_layers} layers")
     per_layer = [resolve_device(d) for d in layer_devices] if layer_devices else [main] * config.num_layers
     seq_len = max_seq_len or min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-    with WeightReader(folder) as reader:
+    with reader:
         model = _build(reader, config, main, per_layer, compute_dtype, seq_len, embed_on_cpu,
                        rope_alpha, compress_pos_emb, progress)
     log.info("loaded %s: %d layers, %.1f MB of weights on %s", folder.name, config.num_layers,
@@ -112,7 +119,7 @@ def _dtype_for(device: torch.device, compute: torch.dtype) -> torch.dtype:
 
 
 def _build(
-    reader: WeightReader,
+    reader: Union[WeightReader, GGUFWeights],
     config: ModelConfig,
     main: torch.device,
     per_layer: List[torch.device],
@@ -142,6 +149,8 @@ def _build(
         return reader.get(name, shape).to(device=device, dtype=dt).contiguous()
 
     def linear(prefix: str, k: int, n: int, device: torch.device, dt: torch.dtype) -> Weight:
+        if isinstance(reader, GGUFWeights):
+            return reader.linear(prefix, k, n, device, dt)
         if config.quant is not None and f"{prefix}.qweight" in reader:
             return load_gptq_linear(reader, prefix, k, n, config.quant, dt, device)
         if f"{prefix}.weight" not in reader and f"{prefix}.qweight" not in reader:

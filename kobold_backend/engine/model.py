@@ -17,9 +17,10 @@ from kobold_backend.engine.cache import KVCache
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.fuse import concat_outputs
 from kobold_backend.engine.gptq import GPTQWeight
+from kobold_backend.ops.ggml import GGMLWeight
 from kobold_backend.ops.reference import rotate_half
 
-Weight = Union[torch.Tensor, GPTQWeight]
+Weight = Union[torch.Tensor, GPTQWeight, GGMLWeight]
 
 
 def project(x: torch.Tensor, w: Weight) -> torch.Tensor:
@@ -28,6 +29,9 @@ def project(x: torch.Tensor, w: Weight) -> torch.Tensor:
         shape = x.shape
         y = ops.gptq_matmul(x.reshape(-1, shape[-1]), w)
         return y.view(*shape[:-1], w.out_features)
+    if isinstance(w, GGMLWeight):
+        shape = x.shape
+        return ops.ggml_matmul(x.reshape(-1, shape[-1]), w).view(*shape[:-1], w.out_features)
     return ops.linear(x, w)
 
 
@@ -36,7 +40,7 @@ GATE_UP = ("gate_proj", "up_proj")
 
 
 def _out_features(w: Weight) -> int:
-    return w.out_features if isinstance(w, GPTQWeight) else int(w.shape[0])
+    return w.out_features if isinstance(w, (GPTQWeight, GGMLWeight)) else int(w.shape[0])
 
 
 @dataclass
@@ -75,6 +79,9 @@ class Layer:
             return GPTQWeight(fused.qweight[:, cols].contiguous(), fused.scales[:, cols].contiguous(),
                               fused.zeros[:, cols].contiguous(), fused.perm, fused.group_size, fused.in_features,
                               end - start, None if fused.bias is None else fused.bias[cols].contiguous())
+        if isinstance(fused, GGMLWeight):
+            return GGMLWeight(fused.data[start:end], fused.type_name, fused.in_features, end - start,
+                              None if fused.bias is None else fused.bias[start:end])
         return fused[start:end]
 
     def fuse(self) -> None:
@@ -258,7 +265,7 @@ class Model:
     @property
     def nbytes(self) -> int:
         def size(w: Any) -> int:
-            if isinstance(w, GPTQWeight):
+            if isinstance(w, (GPTQWeight, GGMLWeight)):
                 return w.nbytes
             return w.numel() * w.element_size()
 

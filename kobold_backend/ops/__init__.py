@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Tuple
 import torch
 
 from kobold_backend.ops import native, reference
+from kobold_backend.ops.ggml import ggml_matmul
 from kobold_backend.ops.reference import attention, linear
 
 if TYPE_CHECKING:
@@ -21,6 +22,7 @@ __all__ = [
     "attention",
     "decode_attention",
     "decode_attention_at",
+    "ggml_matmul",
     "gptq_dequantize",
     "gptq_matmul",
     "linear",

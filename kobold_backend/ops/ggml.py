@@ -1,0 +1,189 @@
+"""GGML block formats (what GGUF files hold): the weight type and its dequantization, written from ggml's block
+definitions.
+
+A `GGMLWeight` keeps a linear layer's bytes exactly as the file stores them: `data` is uint8 `[N, row_bytes]`, one
+row of blocks per output feature, each block covering `block_size` consecutive input features. Dequantization
+follows ggml's arithmetic in float32 step for step (scale products first, then times the quant, then the min), so
+the values equal llama.cpp's and the `gguf` package's bit for bit.
+
+Block layouts (bytes, little-endian; `d`, `m`, `dmin` are fp16):
+- Q8_0 (34 B / 32): d, int8 q[32]; w = q * d.
+- Q4_0 (18 B / 32): d, q[16] nibbles (low nibble: element j, high: element j + 16); w = (q - 8) * d.
+- Q4_1 (20 B / 32): d, m, q[16] as Q4_0; w = q * d + m.
+- Q5_0 (22 B / 32): d, qh (uint32: bit j is element j's fifth bit), q[16] as Q4_0; w = (q | h << 4) - 16, times d.
+- Q5_1 (24 B / 32): d, m, qh, q[16]; w = (q | h << 4) * d + m.
+- Q4_K (144 B / 256): d, dmin, scales[12] (eight 6-bit scales and mins), q[128]; 64-element chunks of 32 bytes,
+  low nibbles the chunk's first sub-block of 32, high nibbles its second; w = (d * sc) * q - (dmin * mn).
+- Q5_K (176 B / 256): d, dmin, scales[12], qh[32] (bit i of byte l is sub-block i's element l), q[128] as Q4_K.
+- Q6_K (210 B / 256): ql[128], qh[64], int8 scales[16], d; 128-element halves, each of four 32-element rows built
+  from ql's low/high nibbles and qh's 2-bit pairs; w = (d * sc) * (q - 32) with one scale per 16 elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+# ggml_type id -> (name, elements per block, bytes per block); ids as in ggml.h's enum ggml_type.
+GGML_TYPES: Dict[int, Tuple[str, int, int]] = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    30: ("BF16", 1, 2),
+}
+TYPE_IDS: Dict[str, int] = {name: tid for tid, (name, _, _) in GGML_TYPES.items()}
+
+
+@dataclass
+class GGMLWeight:
+    """One linear layer in a GGML block format: `data` uint8 [out_features, row_bytes] as stored in the file."""
+
+    data: torch.Tensor
+    type_name: str
+    in_features: int
+    out_features: int
+    bias: Optional[torch.Tensor] = None
+
+    @property
+    def block_size(self) -> int:
+        return GGML_TYPES[TYPE_IDS[self.type_name]][1]
+
+    @property
+    def nbytes(self) -> int:
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.data.numel() + bias
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.data.shape[1] * 8 / self.in_features
+
+
+def row_bytes(type_name: str, n: int) -> int:
+    """Bytes one row of n elements takes in this format."""
+    _, block, size = GGML_TYPES[TYPE_IDS[type_name]]
+    if n % block:
+        raise ValueError(f"{type_name} rows need a multiple of {block} elements, not {n}")
+    return n // block * size
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Two bytes per entry along the last dim (little-endian fp16) -> float32 [..., 1]."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n] -> [..., 2n] as ggml's 32-element blocks store them: low nibbles first, then high."""
+    return torch.cat([q & 0x0F, q >> 4], dim=-1)
+
+
+def _bits32(qh: torch.Tensor) -> torch.Tensor:
+    """uint8 [B, 4] (one little-endian uint32 per block) -> [B, 32] of 0/1, bit j at position j."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=qh.device)
+    return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(qh.shape[0], 32)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, :2])
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b[:, :2]) * (_nibbles(b[:, 2:]).to(torch.int16) - 8).float()
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b[:, :2]) * _nibbles(b[:, 4:]).float() + _f16(b[:, 2:4])
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 6:]) | (_bits32(b[:, 2:6]) << 4)
+    return _f16(b[:, :2]) * (q.to(torch.int16) - 16).float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 8:]) | (_bits32(b[:, 4:8]) << 4)
+    return _f16(b[:, :2]) * q.float() + _f16(b[:, 2:4])
+
+
+def _k_scales(s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes -> eight 6-bit scales and eight 6-bit mins: sub-blocks 0-3 keep their low 6 bits in
+    bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 take their low 4 bits from bytes 8-11 and their top 2 bits
+    from the top of bytes 0-3 (scales) and 4-7 (mins)."""
+    a, m, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([a & 0x3F, (hi & 0x0F) | ((a >> 6) << 4)], dim=-1)
+    mn = torch.cat([m & 0x3F, (hi >> 4) | ((m >> 6) << 4)], dim=-1)
+    return sc.float(), mn.float()
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    sc, mn = _k_scales(b[:, 4:16])
+    d = (_f16(b[:, 0:2]) * sc).unsqueeze(-1)
+    dm = (_f16(b[:, 2:4]) * mn).unsqueeze(-1)
+    q = b[:, 16:].reshape(n, 4, 32)
+    q = torch.stack([q & 0x0F, q >> 4], dim=2).reshape(n, 8, 32).float()
+    return (d * q - dm).reshape(n, 256)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    sc, mn = _k_scales(b[:, 4:16])
+    d = (_f16(b[:, 0:2]) * sc).unsqueeze(-1)
+    dm = (_f16(b[:, 2:4]) * mn).unsqueeze(-1)
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)
+    high = (b[:, 16:48].unsqueeze(1) >> shifts) & 1
+    q = b[:, 48:].reshape(n, 4, 32)
+    q = torch.stack([q & 0x0F, q >> 4], dim=2).reshape(n, 8, 32)
+    return (d * (q | (high << 4)).float() - dm).reshape(n, 256)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    ql = b[:, 0:128].reshape(n, 2, 2, 32)  # [half, first/second 32 bytes, l]
+    qh = b[:, 128:192].reshape(n, 2, 1, 32)
+    low = torch.stack([ql[:, :, 0] & 0x0F, ql[:, :, 1] & 0x0F, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], dim=2)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    high = (qh >> shifts) & 3
+    q = ((low | (high << 4)).to(torch.int16) - 32).float().reshape(n, 16, 16)
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()
+    d = (_f16(b[:, 208:210]) * scales).unsqueeze(-1)
+    return (d * q).reshape(n, 256)
+
+
+_BLOCK_DEQUANT: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
+    "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
+}
+
+
+def dequantize_rows(data: torch.Tensor, type_name: str, n: int) -> torch.Tensor:
+    """uint8 [rows, row_bytes] in `type_name` -> float32 [rows, n], as ggml computes it."""
+    rows = data.shape[0]
+    if type_name == "F32":
+        return data.contiguous().view(torch.float32).reshape(rows, n)
+    if type_name == "F16":
+        return data.contiguous().view(torch.float16).reshape(rows, n).float()
+    if type_name == "BF16":
+        return data.contiguous().view(torch.bfloat16).reshape(rows, n).float()
+    _, block, size = GGML_TYPES[TYPE_IDS[type_name]]
+    blocks = data.reshape(rows * (n // block), size)
+    return _BLOCK_DEQUANT[type_name](blocks).reshape(rows, n)
+
+
+def ggml_dequantize(w: GGMLWeight) -> torch.Tensor:
+    """The float32 weight [out_features, in_features]."""
+    return dequantize_rows(w.data, w.type_name, w.in_features)
+
+
+def ggml_matmul(x: torch.Tensor, w: GGMLWeight) -> torch.Tensor:
+    """x [M, K] @ w.T -> [M, N] in x's dtype: dequantize to x's dtype, then one matmul."""
+    y = x @ ggml_dequantize(w).to(x.dtype).t()
+    return y if w.bias is None else y + w.bias.to(y.dtype)

@@ -1,0 +1,142 @@
+"""GGUF models (llama.cpp's files) end to end: metadata, vocabulary and block-format weights.
+
+Each fixture is a tiny Llama checkpoint written as llama.cpp's converter would (tests/fixtures/gguf_files.py); the
+oracle is transformers in float32 on the `gguf` package's dequantization of the same blocks, and the Hugging Face
+tokenizer of the checkpoint the file was made from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict
+
+import pytest
+import torch
+import transformers
+
+from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.loader import load_model
+from kobold_backend.engine.tokenizer import load_tokenizer
+from kobold_backend.errors import ModelFormatError
+from kobold_backend.ops.ggml import GGMLWeight
+from tests.fixtures.checkpoints import CheckpointSpec, build_checkpoint
+from tests.fixtures.gguf_files import Q4_K_M, write_gguf
+from tests.fixtures.hf_oracle import hf_load, hf_step, row_rel_err
+
+# Sizes that fill whole 256-element super-blocks, so every K-quant can be used.
+SPM_SPEC = CheckpointSpec("gguf_llama_spm", seed=31, hidden_size=256, intermediate_size=512, num_heads=4,
+                          num_kv_heads=2, head_dim=64, dtype="float32")
+BPE_SPEC = CheckpointSpec("gguf_llama_bpe", seed=32, hidden_size=256, intermediate_size=512, num_heads=4,
+                          num_kv_heads=4, head_dim=64, dtype="float32", tokenizer="bpe", rope_theta=500000.0)
+PLANS: Dict[str, Dict[str, str]] = {
+    "Q4_K_M": Q4_K_M,
+    "Q8_0": {"*": "Q8_0"},
+    "Q5_K": {"token_embd": "Q5_K", "*": "Q5_K", "output": "Q6_K"},
+    "legacy": {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q5_0", "attn_output": "Q5_1", "ffn_gate": "Q4_0",
+               "ffn_up": "Q8_0", "ffn_down": "Q5_0", "token_embd": "F16", "output": "Q8_0", "*": "Q4_0"},
+    "float": {"token_embd": "BF16", "output": "F32", "*": "F16"},
+}
+TEXTS = ["Hello world", " leading space and <s> inside", "digits 1234567 and emoji 🙂", "Ünïcödé — 日本語のテキスト",
+         "line\nbreaks\n\n  and   spaces"]
+
+
+@pytest.fixture(scope="module")
+def spm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(SPM_SPEC, tmp_path_factory.mktemp("hf")).path
+
+
+@pytest.fixture(scope="module")
+def bpe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(BPE_SPEC, tmp_path_factory.mktemp("hf")).path
+
+
+def _check_against_transformers(gguf_path: Path, oracle: Path) -> None:
+    lm = load_model(gguf_path, device="cpu")
+    hf = hf_load(oracle)
+    ids = torch.tensor([[1, 15, 300, 7, 42, 99, 5, 250, 17, 3]])
+    ours = lm.model.forward(ids, lm.model.new_cache(64), last_only=False)
+    ref, past = hf_step(hf, ids, None)
+    assert row_rel_err(ours, ref) < 1e-4
+    # 32 greedy tokens, each step fed back through both caches.
+    cache = lm.model.new_cache(64)
+    logits = lm.model.forward(ids, cache)
+    ref_logits, past = hf_step(hf, ids, None)
+    ours_tokens, ref_tokens = [], []
+    for _ in range(32):
+        a, b = int(logits[0, -1].argmax()), int(ref_logits[0, -1].argmax())
+        ours_tokens.append(a)
+        ref_tokens.append(b)
+        logits = lm.model.forward(torch.tensor([[a]]), cache)
+        ref_logits, past = hf_step(hf, torch.tensor([[b]]), past)
+    assert ours_tokens == ref_tokens
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_gguf_logits_match_transformers(plan: str, spm_checkpoint: Path, tmp_path: Path) -> None:
+    oracle = write_gguf(spm_checkpoint, tmp_path, PLANS[plan])
+    _check_against_transformers(tmp_path / "model.gguf", oracle)
+
+
+def test_gguf_keeps_block_formats_and_config(spm_checkpoint: Path, tmp_path: Path) -> None:
+    write_gguf(spm_checkpoint, tmp_path, Q4_K_M)
+    lm = load_model(tmp_path / "model.gguf", device="cpu")
+    hf_cfg = ModelConfig.from_dir(spm_checkpoint)
+    for field in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "vocab_size", "rope_theta", "bos_token_id", "eos_token_ids", "max_position_embeddings"):
+        assert getattr(lm.config, field) == getattr(hf_cfg, field), field
+    assert lm.config.rms_norm_eps == pytest.approx(hf_cfg.rms_norm_eps)
+    layer = lm.model.layers[0]
+    # Q4_K q/k and Q6_K v do not share a format, so they stay apart; gate and up fuse into one Q4_K weight.
+    assert layer.qkv_proj is None
+    assert isinstance(layer.q_proj, GGMLWeight) and layer.q_proj.type_name == "Q4_K"
+    assert isinstance(layer.v_proj, GGMLWeight) and layer.v_proj.type_name == "Q6_K"
+    assert isinstance(layer.gate_up_proj, GGMLWeight) and layer.gate_up_proj.type_name == "Q4_K"
+    assert layer.gate_up_proj.out_features == 2 * SPM_SPEC.intermediate_size
+    assert isinstance(layer.down_proj, GGMLWeight) and layer.down_proj.type_name == "Q6_K"
+    assert isinstance(lm.model.lm_head, GGMLWeight) and lm.model.lm_head.type_name == "Q6_K"
+
+
+def test_gguf_bpe_vocabulary(bpe_checkpoint: Path, tmp_path: Path) -> None:
+    oracle = write_gguf(bpe_checkpoint, tmp_path, {"*": "Q8_0"})
+    lm = load_model(tmp_path / "model.gguf", device="cpu")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(bpe_checkpoint))
+    for text in TEXTS + ["<|begin_of_text|>after a special token", "x<|eot_id|>y"]:
+        ids = lm.tokenizer.encode(text)
+        assert ids == hf_tok.encode(text, add_special_tokens=False), text
+        assert lm.tokenizer.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+    assert lm.config.eos_token_ids == tuple(ModelConfig.from_dir(bpe_checkpoint).eos_token_ids)
+    _check_against_transformers(tmp_path / "model.gguf", oracle)
+
+
+def test_gguf_sentencepiece_vocabulary(spm_checkpoint: Path, tmp_path: Path) -> None:
+    write_gguf(spm_checkpoint, tmp_path, {"*": "Q8_0"})
+    lm = load_model(tmp_path / "model.gguf", device="cpu")
+    folder_tok = load_tokenizer(spm_checkpoint, 1, (2,))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(spm_checkpoint), use_fast=False)
+    for text in TEXTS:
+        ids = lm.tokenizer.encode(text, add_bos=True)
+        assert ids == folder_tok.encode(text, add_bos=True), text
+        assert lm.tokenizer.decode(ids) == folder_tok.decode(ids)
+        if "<s>" not in text and not text.startswith(" "):
+            assert ids == hf_tok.encode(text), text
+
+
+def test_unsupported_tensor_type_is_one_sentence(spm_checkpoint: Path, tmp_path: Path) -> None:
+    import gguf
+
+    write_gguf(spm_checkpoint, tmp_path, {"*": "Q8_0"})
+    path = tmp_path / "model.gguf"
+    reader = gguf.GGUFReader(str(path))
+    target = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    del reader
+    raw = bytearray(path.read_bytes())
+    # The tensor-info record stores the type id right after the dims; rewrite Q8_0 (8) as Q2_K (10).
+    name = b"blk.0.ffn_up.weight"
+    at = raw.index(name) + len(name)
+    n_dims = int.from_bytes(raw[at : at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    assert int.from_bytes(raw[type_at : type_at + 4], "little") == int(target.tensor_type)
+    raw[type_at : type_at + 4] = (10).to_bytes(4, "little")
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ModelFormatError, match=r"blk\.0\.ffn_up\.weight.*Q2_K.*supported: .*Q4_K"):
+        load_model(path, device="cpu")
