@@ -34,13 +34,14 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """GPTQ settings; only 4-bit GPTQ is supported."""
+    """Quantization settings: `method` "gptq" (4-bit) or "awq" (AutoAWQ GEMM, 4-bit with zero points)."""
 
     bits: int = 4
     group_size: int = -1
     desc_act: bool = False
     sym: bool = True
     checkpoint_format: str = "gptq"
+    method: str = "gptq"
 
 
 @dataclass
@@ -263,10 +264,12 @@ def _quant_config(raw: Dict[str, Any], folder: Optional[Path], where: str) -> Op
         qc = raw["quantization_config"]
     if qc is None:
         return None
-    method = str(qc.get("quant_method", "gptq")).lower()
+    method = str(qc.get("quant_method", "awq" if "w_bit" in qc else "gptq")).lower()
+    if method == "awq":
+        return _awq_config(qc, where)
     if method != "gptq":
         raise ModelFormatError(
-            f"{where}: quantization method {method!r} is not supported; this engine runs 4-bit GPTQ "
+            f"{where}: quantization method {method!r} is not supported; this engine runs 4-bit GPTQ, 4-bit AWQ "
             "and dense fp16/bf16/fp32 checkpoints."
         )
     fmt = str(qc.get("checkpoint_format", "gptq")).lower()
@@ -289,3 +292,18 @@ def _quant_config(raw: Dict[str, Any], folder: Optional[Path], where: str) -> Op
         sym=bool(qc.get("sym", True)),
         checkpoint_format=fmt,
     )
+
+
+def _awq_config(qc: Dict[str, Any], where: str) -> QuantConfig:
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ModelFormatError(f"{where}: AWQ version {version!r} is not supported (supported: gemm).")
+    bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    if bits != 4:
+        raise ModelFormatError(f"{where}: AWQ with {bits} bits is not supported; only 4-bit AWQ is.")
+    if not qc.get("zero_point", True):
+        raise ModelFormatError(f"{where}: AWQ without zero points is not supported.")
+    group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    if group == 0 or group < -1:
+        raise ModelFormatError(f"{where}: AWQ group_size {group} is invalid (use -1 or a positive size).")
+    return QuantConfig(bits=4, group_size=group, sym=False, checkpoint_format="awq", method="awq")

@@ -11,6 +11,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from kobold_backend.engine.architectures import RopeSpec
+from kobold_backend.engine.awq import load_awq_linear
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.gguf.checkpoint import open_gguf
 from kobold_backend.engine.gguf.weights import GGUFWeights
@@ -150,6 +151,8 @@ class LayerLoader:
         reader, quant = self.reader, self.config.quant
         if isinstance(reader, GGUFWeights):
             return reader.linear(prefix, in_features, out_features, self.device, self.dtype)
+        if quant is not None and quant.method == "awq" and f"{prefix}.qweight" in reader:
+            return load_awq_linear(reader, prefix, in_features, out_features, quant, self.dtype, self.device)
         if quant is not None and f"{prefix}.qweight" in reader:
             return load_gptq_linear(reader, prefix, in_features, out_features, quant, self.dtype, self.device)
         if f"{prefix}.weight" not in reader and f"{prefix}.qweight" not in reader:
