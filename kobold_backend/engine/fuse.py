@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from kobold_backend.engine.gptq import GPTQWeight
+from kobold_backend.ops.gptq_weight import GPTQWeight
 
 Weight = Union[torch.Tensor, GPTQWeight]
 

@@ -16,7 +16,7 @@ from kobold_backend import ops
 from kobold_backend.engine.cache import KVCache
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.fuse import concat_outputs
-from kobold_backend.engine.gptq import GPTQWeight
+from kobold_backend.ops.gptq_weight import GPTQWeight
 from kobold_backend.ops.reference import rotate_half
 
 Weight = Union[torch.Tensor, GPTQWeight]
