@@ -1,14 +1,14 @@
 """The Llama-family transformer: Model.forward(ids, cache) -> logits, reading top to bottom.
 
 Each layer calls `kobold_backend.ops`, which runs the native kernels where they are loaded.
-A `passthrough` object (see engine/passthrough.py) may observe or change the residual stream
+A `passthrough` (ForwardHooks, see engine/passthrough/base.py) may observe or change the residual stream
 after each layer and add low-rank deltas to the projections.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -18,6 +18,9 @@ from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.fuse import concat_outputs
 from kobold_backend.ops.gptq_weight import GPTQWeight
 from kobold_backend.ops.reference import rotate_half
+
+if TYPE_CHECKING:
+    from kobold_backend.engine.passthrough.base import ForwardHooks
 
 Weight = Union[torch.Tensor, GPTQWeight]
 
@@ -135,7 +138,7 @@ class Model:
         ids: torch.Tensor,
         cache: KVCache,
         *,
-        passthrough: Optional[Any] = None,
+        passthrough: Optional[ForwardHooks] = None,
         last_only: bool = True,
     ) -> torch.Tensor:
         """Run ids [B, T] at positions cache.seq_len.. and return float32 logits [B, 1 or T, V]."""
@@ -194,7 +197,7 @@ class Model:
         h: torch.Tensor,
         cache: KVCache,
         pos: int,
-        passthrough: Optional[Any],
+        passthrough: Optional[ForwardHooks],
         pos_t: Optional[torch.Tensor] = None,
         length: int = 0,
     ) -> torch.Tensor:
@@ -225,7 +228,8 @@ class Model:
         return h + down
 
     @staticmethod
-    def _proj(index: int, layer: Layer, name: str, x: torch.Tensor, passthrough: Optional[Any]) -> torch.Tensor:
+    def _proj(index: int, layer: Layer, name: str, x: torch.Tensor,
+              passthrough: Optional[ForwardHooks]) -> torch.Tensor:
         y = project(x, getattr(layer, name))
         if passthrough is not None:
             delta = passthrough.linear_delta(index, name, x)
@@ -241,7 +245,7 @@ class Model:
         names: Tuple[str, ...],
         sizes: Tuple[int, ...],
         x: torch.Tensor,
-        passthrough: Optional[Any],
+        passthrough: Optional[ForwardHooks],
     ) -> List[torch.Tensor]:
         """The outputs of projections that share the input x, through their fused weight when there is one."""
         weight = getattr(layer, fused)
