@@ -10,29 +10,17 @@ import importlib
 import importlib.util
 import logging
 import sys
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from kobold_backend import __version__
-from kobold_backend.engine.device_map import add_split_arguments, split_from_args
+from kobold_backend.cli_split import add_split_arguments, split_from_args
 from kobold_backend.errors import KoboldBackendError
+from kobold_backend.progress import stderr_progress
 
 if TYPE_CHECKING:
     from kobold_backend.engine.loader import LoadedModel
 
 log = logging.getLogger("kobold_backend")
-
-
-def stderr_progress(prefix: str) -> Callable[[int, int, str], None]:
-    """A progress callback that redraws one line on stderr."""
-
-    def report(done: int, total: int, message: str) -> None:
-        width = 30
-        filled = int(width * done / max(total, 1))
-        end = "\n" if done >= total else ""
-        sys.stderr.write(f"\r{prefix} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {message:<24}{end}")
-        sys.stderr.flush()
-
-    return report
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,9 +99,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def run_doctor(args: argparse.Namespace) -> int:
-    from kobold_backend.ops import native
+    from kobold_backend.doctor import doctor_report
 
-    sys.stdout.write(native.doctor_report() + "\n")
+    sys.stdout.write(doctor_report() + "\n")
     return 0
 
 
@@ -123,7 +111,7 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_optional(sub: argparse._SubParsersAction, module: str, adder: str, runner: str) -> None:
-    """Subcommands that live in their own modules (server, host, ops, bench)."""
+    """Subcommands that live in their own modules (serve, host, wheels, bench)."""
     if importlib.util.find_spec(module) is None:
         return
     mod = importlib.import_module(module)
@@ -133,7 +121,7 @@ def _add_optional(sub: argparse._SubParsersAction, module: str, adder: str, runn
 
 
 SUBCOMMANDS = [
-    ("kobold_backend.server.cli_serve", "add_serve_parser", "run_serve"),
+    ("kobold_backend.cli_serve", "add_serve_parser", "run_serve"),
     ("kobold_backend.host.install", "add_install_plugin_parser", "run_install_plugin"),
     ("kobold_backend.wheels", "add_install_ext_parser", "run_install_ext"),
     ("kobold_backend.bench", "add_bench_parser", "run_bench"),

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from kobold_backend.engine.config import ModelConfig
-from kobold_backend.engine.gptq import pack_int4_rows
 from kobold_backend.engine.rope import cos_sin_tables
 from kobold_backend.engine.weights import WeightReader
 from kobold_backend.errors import ModelFormatError
+from kobold_backend.ops.gptq_weight import pack_int4_rows
 from kobold_backend.ops.reference import rms_norm, rotate_half
 
 log = logging.getLogger(__name__)

@@ -119,97 +119,16 @@ def read_wheel(path: Path) -> Dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- the environment
 
-# Runs in the target Python (3.8+, standard library; torch and pip's packaging when present): what the selection
-# needs to know. Also executed in-process by the doctor (then __name__ is not "__main__").
-PROBE_SCRIPT = r'''
-import ctypes, json, platform, re, shutil, subprocess, sys, sysconfig
-
-
-def _tags():
-    try:
-        from pip._vendor.packaging import tags
-    except ImportError:
-        try:
-            from packaging import tags
-        except ImportError:
-            return []
-    return [str(t) for t in tags.sys_tags()]
-
-
-def _nvidia_smi(args):
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return ""
-    try:
-        proc = subprocess.run([smi] + args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              universal_newlines=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return proc.stdout if proc.returncode == 0 else ""
-
-
-def _driver():
-    names = ["nvcuda.dll"] if sys.platform == "win32" else ["libcuda.so.1", "libcuda.dylib"]
-    for name in names:
-        try:
-            lib = ctypes.CDLL(name)
-        except OSError:
-            continue
-        value = ctypes.c_int(0)
-        if lib.cuDriverGetVersion(ctypes.byref(value)) == 0 and value.value > 0:
-            return value.value, "libcuda"
-    match = re.search(r"CUDA Version:\s*(\d+)\.(\d+)", _nvidia_smi([]))
-    if match:
-        return int(match.group(1)) * 1000 + int(match.group(2)) * 10, "nvidia-smi"
-    return None, None
-
-
-def _gpus(torch):
-    gpus = []
-    for line in _nvidia_smi(["--query-gpu=name,compute_cap", "--format=csv,noheader"]).splitlines():
-        name, _, cap = line.rpartition(",")
-        match = re.match(r"\s*(\d+)\.(\d+)", cap)
-        if match:
-            gpus.append([name.strip(), [int(match.group(1)), int(match.group(2))]])
-    if not gpus and torch is not None and getattr(torch.version, "cuda", None) and torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            gpus.append([torch.cuda.get_device_name(i), list(torch.cuda.get_device_capability(i))])
-    return gpus
-
-
-def probe():
-    info = {"python": platform.python_version(), "executable": sys.executable, "platform": sysconfig.get_platform(),
-            "tags": _tags(), "torch": None, "torch_cuda": None, "torch_hip": None, "torch_error": None}
-    try:
-        import torch
-    except Exception as exc:  # ImportError, or a broken install raising anything
-        torch = None
-        info["torch_error"] = "%s: %s" % (type(exc).__name__, exc)
-    else:
-        info["torch"] = str(torch.__version__)
-        info["torch_cuda"] = getattr(torch.version, "cuda", None)
-        info["torch_hip"] = getattr(torch.version, "hip", None)
-    info["driver_cuda"], info["driver_source"] = _driver()
-    info["gpus"] = _gpus(torch)
-    try:
-        from importlib import metadata
-        info["installed_ext"] = metadata.version("kobold_backend_ext")
-    except Exception:  # not installed (or no importlib.metadata)
-        info["installed_ext"] = None
-    return info
-
-
-if __name__ == "__main__":
-    print("KOBOLD_BACKEND_PROBE " + json.dumps(probe()))
-'''
+SCRIPTS = Path(__file__).resolve().parent / "scripts"  # programs run by path in the target Python
 
 
 def probe(python: str) -> Dict[str, Any]:
-    """Run PROBE_SCRIPT with `python` (from a neutral folder, so no local package shadows the installed ones)."""
+    """Run scripts/probe_env.py with `python` (from a neutral folder, so no local package shadows the installed
+    ones)."""
     with tempfile.TemporaryDirectory(prefix="kb-probe-") as cwd:
         try:
-            proc = subprocess.run([str(python), "-c", PROBE_SCRIPT], capture_output=True, text=True, cwd=cwd,
-                                  timeout=300)
+            proc = subprocess.run([str(python), str(SCRIPTS / "probe_env.py")], capture_output=True, text=True,
+                                  cwd=cwd, timeout=300)
         except (OSError, subprocess.SubprocessError) as exc:
             raise WheelError(f"Cannot run {python} to inspect its environment ({exc}).") from exc
     lines = [line for line in proc.stdout.splitlines() if line.startswith("KOBOLD_BACKEND_PROBE ")]
@@ -219,10 +138,10 @@ def probe(python: str) -> Dict[str, Any]:
 
 
 def probe_here() -> Dict[str, Any]:
-    """PROBE_SCRIPT evaluated in this interpreter (what `probe(sys.executable)` would report, without a process)."""
-    namespace: Dict[str, Any] = {"__name__": "kobold_backend_probe"}
-    exec(compile(PROBE_SCRIPT, "<kobold_backend probe>", "exec"), namespace)
-    return namespace["probe"]()
+    """The probe run in this interpreter (what `probe(sys.executable)` would report, without a process)."""
+    from kobold_backend.scripts.probe_env import probe as probe_this_python
+
+    return probe_this_python()
 
 
 # ---------------------------------------------------------------------------------------------- selection
@@ -348,20 +267,6 @@ def select(env: Dict[str, Any], entries: Sequence[Dict[str, Any]], version: str 
 # ---------------------------------------------------------------------------------------------- install
 
 
-# Runs in the target Python after pip: imports each installed module and reports its fingerprint.
-CHECK_SCRIPT = r"""
-import importlib, json, sys
-out = {}
-for name in sys.argv[1:]:
-    try:
-        module = importlib.import_module("kobold_backend_ext." + name)
-        out[name] = {"fingerprint": dict(module.fingerprint()), "file": module.__file__}
-    except Exception as exc:  # report any failure of the import
-        out[name] = {"error": "%s: %s" % (type(exc).__name__, exc)}
-print("KOBOLD_BACKEND_EXT_CHECK " + json.dumps(out))
-"""
-
-
 def verify_file(wheel: Path, entry: Dict[str, Any]) -> None:
     if not wheel.is_file():
         raise WheelError(f"The index lists {wheel.name} but {wheel} does not exist.")
@@ -378,7 +283,7 @@ def _run(python: str, args: Sequence[str], cwd: str) -> subprocess.CompletedProc
 def check_installed(python: str, entry: Dict[str, Any]) -> List[str]:
     """Import the installed modules with `python`; the problems found (empty: each fingerprint matches the index)."""
     with tempfile.TemporaryDirectory(prefix="kb-check-") as cwd:
-        proc = _run(python, ["-c", CHECK_SCRIPT, *sorted(entry["modules"])], cwd)
+        proc = _run(python, [str(SCRIPTS / "ext_check.py"), *sorted(entry["modules"])], cwd)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("KOBOLD_BACKEND_EXT_CHECK ")]
     if not lines:
         return [f"the import check failed to run: {proc.stderr.strip()}"]

@@ -6,8 +6,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from kobold_backend.engine.gptq import GPTQWeight
 from kobold_backend.ops import reference
+from kobold_backend.ops.gptq_weight import GPTQWeight
 
 
 def make_gptq(

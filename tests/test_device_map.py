@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
+from kobold_backend.cli_split import add_split_arguments, parse_gpu_split, split_from_args
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.device_map import (
     GIB,
@@ -21,15 +22,13 @@ from kobold_backend.engine.device_map import (
     HardwareProbe,
     PlanError,
     Sizes,
-    add_split_arguments,
     checkpoint_shapes,
     config_shapes,
-    layer_devices_from_args,
-    parse_gpu_split,
     plan_device_map,
-    split_from_args,
 )
+from kobold_backend.engine.load_options import LoadOptions, planned_load_options
 from kobold_backend.engine.loader import load_model
+from kobold_backend.errors import RequestError
 from tests.fixtures.checkpoints import CheckpointFactory
 
 LLAMA_SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab (the published configs)
@@ -430,14 +429,27 @@ def test_system_ram_is_checked_for_cpu_layers(big_folders: Dict[str, Path]) -> N
 
 
 def test_united_layer_sliders(big_folders: Dict[str, Path]) -> None:
+    """United's sliders go through the same memory-checked plan as --gpu-split/--cpu-layers."""
+
+    def united(values: Dict[str, Any], folder: Path, *free_gib: float) -> LoadOptions:
+        gpus = [f"GPU {i}" for i in range(len(free_gib))]
+        return planned_load_options(values, folder, gpus=gpus, probe=probe(*free_gib))
+
     values = {"0_Layers": "20", "1_Layers": "4", "CPU_Layers": "8", "max_ctx": 2048, "embed_on_cpu": False}
-    assert layer_devices_from_args(values, big_folders["7b"], probe=probe(24, 24)) == \
-        ["cpu"] * 8 + ["cuda:0"] * 20 + ["cuda:1"] * 4
-    assert layer_devices_from_args({"0_Layers": 32, "CPU_Layers": 0}, big_folders["7b"], probe=probe(24)) is None
-    with pytest.raises(PlanError, match="add up to 31"):
-        layer_devices_from_args({"0_Layers": 23, "CPU_Layers": 8}, big_folders["7b"], probe=probe(24))
+    opts = united(values, big_folders["7b"], 24, 24)
+    assert opts.layer_devices == ["cpu"] * 8 + ["cuda:0"] * 20 + ["cuda:1"] * 4
+    assert opts.device == "cuda:0" and opts.max_seq_len == 2048
+    opts = united({"0_Layers": 32, "CPU_Layers": 0}, big_folders["7b"], 24)
+    assert (opts.device, opts.layer_devices) == ("cuda:0", None)
+    with pytest.raises(RequestError, match="add up to 31"):
+        united({"0_Layers": 23, "CPU_Layers": 8}, big_folders["7b"], 24)
     with pytest.raises(PlanError, match=r"^cuda:0 needs"):
-        layer_devices_from_args({"0_Layers": 40, "max_ctx": 4096}, big_folders["13b"], probe=probe(6))
+        united({"0_Layers": 40, "max_ctx": 4096}, big_folders["13b"], 6)
+    fits = united({"0_Layers": 16, "CPU_Layers": 24, "max_ctx": 4096}, big_folders["13b"], 24)
+    assert fits.layer_devices == ["cpu"] * 24 + ["cuda:0"] * 16
+    with pytest.raises(PlanError, match=r"^cpu needs .* short by"):
+        planned_load_options({"0_Layers": 16, "CPU_Layers": 24, "max_ctx": 4096}, big_folders["13b"],
+                             gpus=["GPU 0"], probe=probe(24, ram_gib=4))
 
 
 def test_plan_has_a_load_kwargs_view() -> None:

@@ -16,6 +16,7 @@ import torch
 
 import kobold_backend
 from kobold_backend import ops
+from kobold_backend.doctor import doctor_report
 from kobold_backend.errors import ExtensionError
 from kobold_backend.ops import build, native
 
@@ -99,7 +100,7 @@ def test_torch_path_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     info = native.status()
     assert info["mode"] == "torch" and info["cpu"]["path"] == "torch"
     assert "KOBOLD_BACKEND_EXT=torch" in info["cpu"]["reason"]
-    assert "CPU kernels: torch" in native.doctor_report()
+    assert "CPU kernels: torch" in doctor_report()
 
 
 def test_bad_mode_is_one_sentence(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -240,3 +241,23 @@ def test_parse_archs_and_gencode() -> None:
 def test_cuda_sources_compile() -> None:
     """Every .cu file and the binding compile (one arch here; the CI script checks the full default list)."""
     build.check_cuda("9.0", log=lambda message: None)
+
+
+@pytest.mark.parametrize("package, origin", [("kobold_backend", "built into the kobold_backend package"),
+                                             ("kobold_backend_ext", "from the prebuilt wheel kobold_backend_ext")])
+def test_doctor_says_where_a_prebuilt_module_comes_from(package: str, origin: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 16: "CPU kernels: prebuilt" beside "Prebuilt wheel installed: none" read as a contradiction; the
+    kernel line now says whether the module is part of the package or came from the wheel."""
+    fake = _fake_module({"kind": "cpu", "version": kobold_backend.__version__, "cuda_version": None, "archs": []})
+    fake.__name__ = f"{package}._ext_cpu"
+    if package == "kobold_backend":
+        monkeypatch.setitem(sys.modules, CPU_NAME, fake)
+    else:
+        monkeypatch.setitem(sys.modules, CPU_NAME, None)  # nothing built into the package
+        monkeypatch.setitem(sys.modules, "kobold_backend_ext", types.ModuleType("kobold_backend_ext"))
+        monkeypatch.setitem(sys.modules, "kobold_backend_ext._ext_cpu", fake)
+    monkeypatch.setenv(native.ENV_MODE, "prebuilt")
+    assert native.load("cpu").reason.startswith(origin)
+    line = next(x for x in doctor_report().splitlines() if x.startswith("CPU kernels: "))
+    assert line.startswith("CPU kernels: prebuilt /nowhere/_ext_cpu.so (") and origin in line

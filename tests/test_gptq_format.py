@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kobold_backend import ops
-from kobold_backend.engine.gptq import GPTQWeight
 from kobold_backend.engine.loader import load_model
+from kobold_backend.ops.gptq_weight import GPTQWeight
 from tests.fixtures.checkpoints import GPTQ_NAMES, LINEARS, CheckpointFactory
 from tests.fixtures.gptq_pack import pack_cols, pack_rows, quantize_pack, unpack_reference
 

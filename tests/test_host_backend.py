@@ -350,6 +350,25 @@ def test_put_model_and_cli_loads(united: UnitedHost, model_dir: Path) -> None:
     assert len(cli.raw_generate("Hello", max_new=5).encoded[0]) == 5
 
 
+def test_layer_sliders_get_the_memory_checked_plan(united: UnitedHost, model_dir: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """United's sliders are planned by engine/device_map like --cpu-layers: a split that does not fit the free
+    memory is refused with the device and the shortfall, before any weight is read."""
+    from kobold_backend.engine import device_map, loader
+
+    def no_ram(cls: Any) -> device_map.HardwareProbe:
+        return device_map.HardwareProbe(gpu_free=[], cpu_available=1 << 20)
+
+    def must_not_load(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("load_model was called for a plan that does not fit")
+
+    monkeypatch.setattr(device_map.HardwareProbe, "detect", classmethod(no_ram))
+    monkeypatch.setattr(loader, "load_model", must_not_load)
+    with pytest.raises(device_map.PlanError, match=r"^cpu needs .* budget is 0.00 GiB: short by"):
+        load(united, model_dir, max_ctx=256)
+    assert united.registry.model_backends[PLUGIN].loaded is None
+
+
 def test_folders_it_cannot_run_are_not_offered(united: UnitedHost, tmp_path: Path) -> None:
     folder = tmp_path / "not-a-model"
     folder.mkdir()

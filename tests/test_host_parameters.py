@@ -1,4 +1,4 @@
-"""United's parameter dicts (kobold_backend.host.parameters) and settings files: the exact keys koboldai.js
+"""United's parameter dicts (kobold_backend.engine.load_options) and settings files: the exact keys koboldai.js
 reads, the "Valid Display" layer check evaluated the way the page does, saved values, and the conversion of
 submitted values into load_model arguments."""
 
@@ -11,8 +11,8 @@ from typing import Any, Dict, List
 import pytest
 
 from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.load_options import load_options, requested_parameters
 from kobold_backend.errors import RequestError
-from kobold_backend.host.parameters import load_options, requested_parameters
 from kobold_backend.host.settings import read_settings, settings_path, write_settings
 from tests.fixtures.checkpoints import CheckpointFactory
 

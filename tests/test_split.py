@@ -9,9 +9,10 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from kobold_backend.engine.device_map import DeviceMap, measure_split, plan_device_map
-from kobold_backend.engine.gptq import GPTQWeight
+from kobold_backend.bench.split import measure_split
+from kobold_backend.engine.device_map import DeviceMap, plan_device_map
 from kobold_backend.engine.loader import LoadedModel, load_model
+from kobold_backend.ops.gptq_weight import GPTQWeight
 from tests.fixtures.checkpoints import BuiltCheckpoint, CheckpointSpec, QuantSpec, build_checkpoint
 from tests.fixtures.hf_oracle import hf_load, row_rel_err
 

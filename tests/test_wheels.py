@@ -24,7 +24,7 @@ from packaging import tags as pkg_tags
 
 import kobold_backend
 from kobold_backend import cli, wheels
-from kobold_backend.ops import native
+from kobold_backend.doctor import doctor_report
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / "wheels"
@@ -336,7 +336,7 @@ def test_install_ext_without_an_index_explains_the_jit_path(tmp_path: Path) -> N
 
 
 def test_doctor_shows_the_wheel_decision() -> None:
-    report = native.doctor_report()
+    report = doctor_report()
     assert "Prebuilt wheel installed:" in report and "Wheel for this environment:" in report
     fits = [e for e in ENTRIES if e["python"] == HERE and e["variant"] == "cpu"]
     if fits and torch.version.cuda is None:

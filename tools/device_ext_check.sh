@@ -36,7 +36,7 @@ step "build sm_90 only" build_sm90.log env KOBOLD_BACKEND_CUDA_ARCH=9.0 $PY -m k
 elf_list
 step "build default arch list" build_default.log $PY -m kobold_backend.ops.build --cuda
 elf_list
-step "doctor" doctor.log $PY -c "from kobold_backend.ops import native; print(native.doctor_report())"
+step "doctor" doctor.log $PY -c "from kobold_backend.doctor import doctor_report; print(doctor_report())"
 step "GPU tests" pytest_gpu.log $PY -m pytest -m gpu tests/test_ext_cuda.py -q -p no:cacheprovider -rfE
 step "CPU kernel tests (AVX2/AVX-512 clones)" pytest_cpu.log $PY -m pytest tests/test_ext_cpu.py -q -p no:cacheprovider -rfE
 step "timings" timing.txt $PY tools/ext_timing.py

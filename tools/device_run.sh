@@ -15,7 +15,7 @@ python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', 
 echo "== build (sm_90)"; t=$SECONDS
 python3 -m kobold_backend.ops.build --cpu --cuda > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 echo "built in $((SECONDS - t)) s"
-python3 -c "from kobold_backend.ops import native; print(native.doctor_report())" 2>&1 | tail -12
+python3 -c "from kobold_backend.doctor import doctor_report; print(doctor_report())" 2>&1 | tail -12
 echo "== GPU tests"; t=$SECONDS
 timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE ${GPU_TESTS:-tests/test_ext_cuda.py tests/test_host_backend.py tests/test_passthrough_gpu.py} \
   > "$OUT/gpu_tests.log" 2>&1; echo "rc=$? in $((SECONDS - t)) s"; tail -15 "$OUT/gpu_tests.log"

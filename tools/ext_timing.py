@@ -17,8 +17,8 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from kobold_backend.engine.gptq import GPTQWeight
 from kobold_backend.ops import native, reference
+from kobold_backend.ops.gptq_weight import GPTQWeight
 
 COPY_TBPS = 4.2  # device-to-device copy on the lent H200 (shared/perf/anchors.md), read + write
 ROTATE_BYTES = 512 << 20  # well past the 60 MB L2

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from kobold_backend.engine.config import QuantConfig
-from kobold_backend.engine.gptq import GPTQWeight, pack_int4_rows
 from kobold_backend.engine.weights import WeightReader
 from kobold_backend.errors import ModelFormatError
+from kobold_backend.ops.gptq_weight import GPTQWeight, pack_int4_rows
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 

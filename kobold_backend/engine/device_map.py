@@ -1,13 +1,14 @@
 """Layer split across GPUs and the CPU: plans per-layer placement from safetensors headers (counts or memory
-budgets, exllama's gpu_split) and refuses a plan that cannot fit before any weight is read; wires it to the CLI.
+budgets, exllama's gpu_split) and refuses a plan that cannot fit before any weight is read.
+
+Placement only: the command-line flags live in kobold_backend/cli_split.py, United's slider ids in
+kobold_backend/engine/load_options.py, and the offload benchmark in kobold_backend/bench/split.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -217,8 +218,8 @@ def _ranges(indices: Sequence[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "-"
 
 
-def _as_count(value: Any, what: str) -> int:
-    """A whole number of layers >= 0 from an int, an integral float or a digit string."""
+def as_layer_count(value: Any, what: str) -> int:
+    """A whole number of layers >= 0 from an int, an integral float or a digit string (PlanError otherwise)."""
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -309,7 +310,7 @@ def _counts_order(layer_counts: Mapping[Any, int], num_layers: int) -> List[Tupl
     pairs: List[Tuple[str, int]] = []
     for key, count in layer_counts.items():
         dev = normalize_device(key)
-        value = _as_count(count, dev)
+        value = as_layer_count(count, dev)
         if any(d == dev for d, _ in pairs):
             raise PlanError(f"{dev} is given twice in the layer counts")
         pairs.append((dev, value))
@@ -498,7 +499,7 @@ def _check(dm: DeviceMap, sizes: Sizes) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Budgets of this machine, and the command-line wiring.
+# Budgets of this machine, and the split asked for by load options.
 
 
 @dataclass
@@ -544,79 +545,45 @@ def auto_budgets(probe: Optional[HardwareProbe] = None, reserve_gib: float = DEF
     return out
 
 
-def parse_gpu_split(text: str) -> Union[str, Dict[str, float]]:
-    """'auto', or comma-separated GB per GPU in index order ('20,24' -> cuda:0 20 GB, cuda:1 24 GB)."""
-    text = text.strip().lower()
-    if text == "auto":
-        return "auto"
-    out: Dict[str, float] = {}
-    for i, part in enumerate(text.split(",")):
-        try:
-            value = float(part)
-        except ValueError:
-            raise PlanError(f"--gpu-split {text!r}: {part.strip()!r} is not a number of GB") from None
-        if not value >= 0 or math.isinf(value):
-            raise PlanError(f"--gpu-split {text!r}: {part.strip()!r} must be a finite number of GB >= 0")
-        out[f"cuda:{i}"] = value
-    return out
-
-
-def parse_cpu_layers(text: Union[str, int, None]) -> Union[int, str, None]:
-    if text is None or isinstance(text, int):
-        return text
-    text = text.strip().lower()
-    if text == "auto":
-        return "auto"
-    if not text.isdigit():
-        raise PlanError(f"--cpu-layers {text!r}: use a number of layers or 'auto'")
-    return int(text)
-
-
-def add_split_arguments(parser: argparse.ArgumentParser) -> None:
-    """--gpu-split and --cpu-layers (for every subcommand that loads a model)."""
-    parser.add_argument(
-        "--gpu-split", metavar="GB,GB,...|auto", default=None,
-        help="split the layers over GPUs by memory budget: GB (2^30 bytes) per GPU in index order, e.g. 20,24, "
-             "or 'auto' (each visible GPU's free memory minus 0.5 GB); planned from the checkpoint's headers "
-             "before loading, counting weights, KV cache and working buffers")
-    parser.add_argument(
-        "--cpu-layers", metavar="N|auto", default=None,
-        help="run N layers on the CPU (float32, system RAM) and the rest on the GPU(s); 'auto' puts on the CPU "
-             "only what does not fit in the GPU budgets (without it, a model that does not fit is an error)")
-
-
-def _get(args: Union[argparse.Namespace, Mapping[str, Any]], key: str, default: Any = None) -> Any:
-    if isinstance(args, Mapping):
-        return args.get(key, default)
-    value = getattr(args, key, default)
-    return default if value is None else value
-
-
-def plan_from_args(
-    args: Union[argparse.Namespace, Mapping[str, Any]],
+def plan_split(
     folder: Union[str, Path],
     max_seq_len: Optional[int] = None,
+    *,
+    layer_counts: Optional[Mapping[str, int]] = None,
+    gpu_split: Union[str, Mapping[str, float], None] = None,
+    cpu_layers: Union[int, str, None] = None,
+    device: str = "auto",
+    embed_on_cpu: bool = False,
+    dtype: Optional[str] = None,
     probe: Optional[HardwareProbe] = None,
 ) -> Optional[DeviceMap]:
-    """The plan asked for by command-line options (`gpu_split`, `cpu_layers`, `device`, `embed_on_cpu`,
-    `dtype`) or by a dict of per-device layer counts (device names, GPU numbers, or United's "<i>_Layers"
-    and "CPU_Layers" ids). None when nothing asks for a split. Budgets come from `probe` (default: this
-    machine's free memory) for every device not given one."""
-    counts = _counts_from_mapping(args) if isinstance(args, Mapping) else None
-    gpu_split = _get(args, "gpu_split")
-    cpu_layers = parse_cpu_layers(_get(args, "cpu_layers"))
+    """The plan asked for by load options, checked against this machine's free memory; None when nothing asks
+    for a split. Either `layer_counts` (device -> layers, e.g. United's per-GPU sliders), or `gpu_split` ("auto"
+    or GB per GPU) and/or `cpu_layers` (N or "auto") with `device` naming the main GPU. Budgets come from
+    `probe` (default: this machine) for every device not given one. The plan is logged; PlanError names the
+    device and the shortfall when it cannot fit."""
+    plan = _plan_split(folder, max_seq_len, layer_counts, gpu_split, cpu_layers, device.strip().lower(),
+                       embed_on_cpu, dtype or None, probe)
+    if plan is not None:
+        log.info("%s", plan.describe())
+    return plan
+
+
+def _plan_split(
+    folder: Union[str, Path], max_seq_len: Optional[int], counts: Optional[Mapping[str, int]],
+    gpu_split: Union[str, Mapping[str, float], None], cpu_layers: Union[int, str, None], device: str,
+    embed_on_cpu: bool, dtype: Optional[str], probe: Optional[HardwareProbe],
+) -> Optional[DeviceMap]:
     if counts is None and gpu_split is None and cpu_layers is None:
         return None
-    device = str(_get(args, "device", "auto")).strip().lower()
-    embed_on_cpu = bool(_get(args, "embed_on_cpu", False))
-    dtype = _get(args, "dtype") or None
     probe = probe or HardwareProbe.detect()
     machine = auto_budgets(probe)
     n_gpus = len(probe.gpu_free)
     if counts is not None:
-        pools = {_pool(d) for d, c in counts.items() if c > 0}
+        pools = {_pool(normalize_device(d)) for d, c in counts.items() if c > 0}
         budgets = {d: gb for d, gb in machine.items() if d in pools}
-        _require_gpus([d for d, c in counts.items() if _is_gpu(d) and c > 0], n_gpus)
+        _require_gpus([normalize_device(d) for d, c in counts.items() if c > 0 and _is_gpu(normalize_device(d))],
+                      n_gpus)
         return plan_device_map(folder, budgets, max_seq_len, layer_counts=counts, embed_on_cpu=embed_on_cpu,
                                dtype=dtype)
     if device == "cpu":
@@ -641,15 +608,14 @@ def plan_from_args(
         layer_counts = {"cpu": n_cpu, main: config.num_layers - n_cpu}
         return plan_device_map(folder, budgets, max_seq_len, layer_counts=layer_counts, embed_on_cpu=embed_on_cpu,
                                head_device=main, dtype=dtype)
-    split = parse_gpu_split(str(gpu_split))
-    if split == "auto":
+    if gpu_split == "auto":
         if not n_gpus:
             raise PlanError("--gpu-split auto was given but torch sees no CUDA GPU")
         budgets = dict(machine)
     else:
-        assert isinstance(split, dict)
-        _require_gpus(list(split), n_gpus)
-        budgets = dict(split)
+        assert not isinstance(gpu_split, str)
+        _require_gpus([normalize_device(d) for d in gpu_split], n_gpus)
+        budgets = {normalize_device(d): gb for d, gb in gpu_split.items()}
         if "cpu" in machine:
             budgets["cpu"] = machine["cpu"]
     if head is not None and head not in budgets:
@@ -658,166 +624,9 @@ def plan_from_args(
                            head_device=head, dtype=dtype)
 
 
-def _counts_from_mapping(values: Mapping[str, Any]) -> Optional[Dict[str, int]]:
-    """Per-device layer counts from a dict: United ids ("0_Layers", "CPU_Layers") or device keys."""
-    counts: Dict[str, int] = {}
-    for key, value in values.items():
-        k = str(key)
-        if k == "CPU_Layers":
-            dev = "cpu"
-        elif k.endswith("_Layers") and k[: -len("_Layers")].isdigit():
-            dev = f"cuda:{int(k[: -len('_Layers')])}"
-        elif k == "cpu" or k.startswith(("cuda", "cpu:")) or k.isdigit():
-            dev = normalize_device(k)
-        else:
-            continue
-        counts[dev] = _as_count(value, k)
-    return counts or None
-
-
 def _require_gpus(devices: Sequence[str], n_gpus: int) -> None:
     for dev in devices:
         index = int(dev.split(":")[1])
         if index >= n_gpus:
             seen = f"{n_gpus} GPU{'s' if n_gpus != 1 else ''}" if n_gpus else "no CUDA GPU"
             raise PlanError(f"the split places layers on {dev} but torch sees {seen}")
-
-
-def layer_devices_from_args(
-    args_or_dict: Union[argparse.Namespace, Mapping[str, Any]],
-    folder: Union[str, Path],
-    max_seq_len: Optional[int] = None,
-    probe: Optional[HardwareProbe] = None,
-) -> Optional[List[str]]:
-    """load_model's `layer_devices` for the options or layer counts given (see plan_from_args); None when no
-    split is asked for or every layer lands on one device. Logs the plan; raises PlanError when it cannot fit.
-    Load with `device=` the plan's head device: the first GPU given layers, or the one --device names."""
-    if max_seq_len is None and isinstance(args_or_dict, Mapping) and args_or_dict.get("max_ctx") is not None:
-        max_seq_len = int(args_or_dict["max_ctx"])
-    plan = plan_from_args(args_or_dict, folder, max_seq_len, probe)
-    if plan is None:
-        return None
-    log.info("%s", plan.describe())
-    return None if plan.uniform else list(plan.layer_devices)
-
-
-def split_from_args(
-    args: argparse.Namespace, folder: Union[str, Path], max_seq_len: Optional[int],
-    probe: Optional[HardwareProbe] = None,
-) -> Optional[List[str]]:
-    """For the CLI: the layer_devices that --gpu-split / --cpu-layers ask for (None: no split), the plan logged.
-    When there is a plan, `args.device` is set to its head device (where load_model puts norm and lm_head)."""
-    plan = plan_from_args(args, folder, max_seq_len, probe)
-    if plan is None:
-        return None
-    log.info("%s", plan.describe())
-    args.device = plan.head_device
-    return None if plan.uniform else list(plan.layer_devices)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Measuring a split (for the benchmark; see docs/performance.md "Layer split and CPU offload").
-
-
-def measure_split(
-    path: Union[str, Path],
-    cpu_layers: int,
-    gpu: str = "cuda:0",
-    max_seq_len: int = 2048,
-    prompt_len: int = 512,
-    context: int = 1024,
-    decode_steps: int = 16,
-    embed_on_cpu: bool = False,
-) -> Dict[str, Any]:
-    """Load `path` with its first `cpu_layers` layers on the CPU and the rest on `gpu`, then time a prompt
-    and greedy decode steps at `context` tokens; reports tokens/s, the plan and the GPU's peak memory."""
-    from kobold_backend.bench.timing import timed
-    from kobold_backend.engine.loader import load_model
-
-    config = ModelConfig.from_dir(path)
-    if max(prompt_len, context + decode_steps) > max_seq_len:
-        raise ValueError(f"prompt {prompt_len} or context {context} + {decode_steps} steps exceed {max_seq_len}")
-    gpu = normalize_device(gpu)
-    counts = {"cpu": cpu_layers, gpu: config.num_layers - cpu_layers}
-    plan = plan_device_map(path, None, max_seq_len, layer_counts=counts, embed_on_cpu=embed_on_cpu,
-                           head_device=gpu)
-    log.info("%s", plan.describe())
-    dev = torch.device(gpu)
-    torch.cuda.reset_peak_memory_stats(dev)
-    start = time.perf_counter()
-    lm = load_model(path, with_tokenizer=False, **plan.load_kwargs())
-    load_s = time.perf_counter() - start
-    model = lm.model
-    cache = model.new_cache()
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, config.vocab_size, (1, max(prompt_len, context)), generator=gen)
-    ids = ids.to(model.embed_tokens.device)
-    model.forward(ids[:, :8], cache)  # warm-up
-    cache.reset()
-    prompt_s = timed(lambda: model.forward(ids[:, :prompt_len], cache), dev)
-    cache.reset()
-    model.forward(ids[:, : context - 1], cache)
-    token = int(ids[0, context - 1])
-
-    def decode() -> None:
-        nonlocal token
-        for _ in range(decode_steps):
-            x = torch.tensor([[token]], device=model.embed_tokens.device)
-            token = int(torch.argmax(model.forward(x, cache)[0, -1]).item())
-
-    decode_s = timed(decode, dev)
-    planned = {u.device: u.used_bytes for u in plan.usage}
-    result = {
-        "cpu_layers": cpu_layers, "gpu_layers": config.num_layers - cpu_layers, "threads": torch.get_num_threads(),
-        "load_s": load_s, "prompt_tokens": prompt_len, "prompt_tokens_per_s": prompt_len / prompt_s,
-        "context": context, "decode_tokens_per_s": decode_steps / decode_s,
-        "planned_bytes": planned, "gpu_peak_bytes": int(torch.cuda.max_memory_allocated(dev)),
-        "cache_bytes": cache.nbytes, "plan": plan.describe(),
-    }
-    lm.unload()
-    return result
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """`python -m kobold_backend.engine.device_map --preset llama2-7b --levels 0,8,16`: the offload table."""
-    import json
-    import sys
-    import tempfile
-
-    from kobold_backend.bench.checkpoint import PRESETS, write_synthetic_gptq
-
-    p = argparse.ArgumentParser(prog="python -m kobold_backend.engine.device_map",
-                                description="speed of CPU offload levels on one GPU")
-    p.add_argument("--model", help="checkpoint folder (default: a synthetic GPTQ one of --preset's shape)")
-    p.add_argument("--preset", default="llama2-7b", choices=sorted(PRESETS))
-    p.add_argument("--levels", default="0,8,16", help="numbers of layers on the CPU, comma-separated")
-    p.add_argument("--gpu", default="cuda:0")
-    p.add_argument("--max-context", type=int, default=2048)
-    p.add_argument("--prompt", type=int, default=512, help="prompt tokens timed")
-    p.add_argument("--context", type=int, default=1024, help="context the decode steps run at")
-    p.add_argument("--steps", type=int, default=16, help="decode steps timed")
-    p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    if not torch.cuda.is_available():
-        sys.stderr.write("measuring a split needs a CUDA GPU\n")
-        return 2
-    levels = [int(x) for x in args.levels.split(",")]
-    gpu = normalize_device(args.gpu)
-    results: List[Dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="kobold-split-") as tmp:
-        path = args.model or str(write_synthetic_gptq(Path(tmp) / args.preset, PRESETS[args.preset]))
-        for n in levels:
-            r = measure_split(path, n, gpu, args.max_context, args.prompt, args.context, args.steps)
-            results.append(r)
-            sys.stdout.write(f"cpu layers {n:3d}/{n + r['gpu_layers']}: prompt {r['prompt_tokens_per_s']:9.1f} tok/s, "
-                             f"decode {r['decode_tokens_per_s']:7.2f} tok/s at {r['context']} tokens, GPU peak "
-                             f"{r['gpu_peak_bytes'] / GIB:.2f} GiB (planned {r['planned_bytes'][gpu] / GIB:.2f} GiB)\n")
-            sys.stdout.flush()
-            if args.json:
-                Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

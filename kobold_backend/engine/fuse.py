@@ -10,8 +10,8 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from kobold_backend.engine.gptq import GPTQWeight
 from kobold_backend.ops.ggml import GGMLWeight
+from kobold_backend.ops.gptq_weight import GPTQWeight
 
 Weight = Union[torch.Tensor, GPTQWeight, GGMLWeight]
 

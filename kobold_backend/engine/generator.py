@@ -11,7 +11,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -23,6 +23,9 @@ from kobold_backend.engine.model import Model
 from kobold_backend.engine.sampling import Sampler, SamplerSettings
 from kobold_backend.engine.tokenizer import Tokenizer, complete_utf8_prefix
 from kobold_backend.errors import OutOfContextError, RequestError
+
+if TYPE_CHECKING:
+    from kobold_backend.engine.passthrough.base import ForwardHooks
 
 MAX_BAN_REWINDS = 64
 MAX_BEAMS = 16
@@ -38,7 +41,7 @@ class GenerationRequest:
     ban_eos: bool = False
     bypass_eos: bool = False
     seed: Optional[int] = None
-    passthrough: Optional[Any] = None
+    passthrough: Optional[ForwardHooks] = None
     abort: Optional[threading.Event] = None
     banned_strings: Sequence[str] = ()
     trim_stop: bool = True
@@ -258,8 +261,9 @@ class Generator:
         room = cache.max_seq_len - len(prompt)
         budget = min(req.max_new_tokens, room)
         t0 = time.perf_counter()
-        if req.passthrough is not None and hasattr(req.passthrough, "begin"):
-            req.passthrough.begin(len(prompt))
+        begin = getattr(req.passthrough, "begin", None)  # optional member of ForwardHooks
+        if begin is not None:
+            begin(len(prompt))
         guide_passthrough = _guide_view(req.passthrough)
         logits, reuse = self.lane.prepare(prompt, req.passthrough, self.context_shift)
         guide = self._cfg_lane(req)
@@ -353,7 +357,7 @@ class Generator:
             )
 
 
-def _guide_view(passthrough: Optional[Any]) -> Optional[Any]:
+def _guide_view(passthrough: Optional[ForwardHooks]) -> Optional[ForwardHooks]:
     """What the negative prompt's lane runs: the same actions, minus capture (see engine/passthrough)."""
     if passthrough is None:
         return None

@@ -5,13 +5,16 @@ The generator drives one lane per sequence it needs (the prompt; the negative pr
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 
 from kobold_backend.engine.cache import KVCache
 from kobold_backend.engine.decode_graph import GraphDecoder
 from kobold_backend.engine.model import Model
+
+if TYPE_CHECKING:
+    from kobold_backend.engine.passthrough.base import ForwardHooks
 
 PREFILL_CHUNK = 2048
 SHIFT_MIN_MATCH = 32
@@ -51,7 +54,8 @@ class Lane:
         self.graph = GraphDecoder(model, cache) if use_graphs else None
         self.tainted = False  # the cache holds states computed with a passthrough's actions
 
-    def prepare(self, prompt: List[int], passthrough: Optional[Any], context_shift: bool) -> Tuple[torch.Tensor, int]:
+    def prepare(self, prompt: List[int], passthrough: Optional[ForwardHooks],
+                context_shift: bool) -> Tuple[torch.Tensor, int]:
         """Bring the cache to `prompt` reusing what it can; returns (last logits [V], reused token count)."""
         cache = self.cache
         if passthrough is not None or self.tainted:
@@ -65,7 +69,7 @@ class Lane:
         self.tainted = passthrough is not None
         return self.feed(prompt[reuse:], passthrough), reuse
 
-    def feed(self, ids: Sequence[int], passthrough: Optional[Any]) -> torch.Tensor:
+    def feed(self, ids: Sequence[int], passthrough: Optional[ForwardHooks]) -> torch.Tensor:
         """Run ids through the model at the end of the cache; returns the last position's logits [V]."""
         logits = None
         for start in range(0, len(ids), PREFILL_CHUNK):
@@ -76,7 +80,7 @@ class Lane:
         assert logits is not None
         return logits[0, -1]
 
-    def step(self, token: int, passthrough: Optional[Any]) -> torch.Tensor:
+    def step(self, token: int, passthrough: Optional[ForwardHooks]) -> torch.Tensor:
         """Feed one sampled token: a CUDA-graph replay when possible (passthrough runs eager)."""
         if self.graph is None or passthrough is not None:
             return self.feed([token], passthrough)
@@ -84,7 +88,7 @@ class Lane:
         self.cache.tokens.append(token)
         return logits
 
-    def rewind_to(self, length: int, passthrough: Optional[Any]) -> torch.Tensor:
+    def rewind_to(self, length: int, passthrough: Optional[ForwardHooks]) -> torch.Tensor:
         """Keep `length` positions, then re-run the last kept token to get the logits that follow it."""
         last = self.cache.tokens[length - 1]
         self.cache.truncate(length - 1)

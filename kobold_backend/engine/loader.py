@@ -15,13 +15,14 @@ from kobold_backend.engine.awq import load_awq_linear
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.gguf.checkpoint import open_gguf
 from kobold_backend.engine.gguf.weights import GGUFWeights
-from kobold_backend.engine.gptq import GPTQWeight, load_gptq_linear
+from kobold_backend.engine.gptq import load_gptq_linear
 from kobold_backend.engine.model import Layer, Model, Weight
 from kobold_backend.engine.rope import cos_sin_tables
 from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
 from kobold_backend.engine.weights import WeightReader
 from kobold_backend.errors import ModelFormatError
 from kobold_backend.ops.ggml import GGMLWeight
+from kobold_backend.ops.gptq_weight import GPTQWeight
 
 log = logging.getLogger(__name__)
 

@@ -4,14 +4,14 @@ One generic layer serves every architecture: what differs between families (bias
 activation, scales, soft-capping, sliding windows, RoPE tables per layer, a routed MLP) is read from
 `config.features` and from the tensors the loader placed in each `Layer`, as described in engine/architectures.
 Each layer calls `kobold_backend.ops`, which runs the native kernels where they are loaded.
-A `passthrough` object (see engine/passthrough.py) may observe or change the residual stream
+A `passthrough` (ForwardHooks, see engine/passthrough/base.py) may observe or change the residual stream
 after each layer and add low-rank deltas to the projections.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -19,9 +19,12 @@ from kobold_backend import ops
 from kobold_backend.engine.cache import KVCache
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.fuse import concat_outputs
-from kobold_backend.engine.gptq import GPTQWeight
 from kobold_backend.ops.ggml import GGMLWeight
+from kobold_backend.ops.gptq_weight import GPTQWeight
 from kobold_backend.ops.reference import rotate_half
+
+if TYPE_CHECKING:
+    from kobold_backend.engine.passthrough.base import ForwardHooks
 
 Weight = Union[torch.Tensor, GPTQWeight, GGMLWeight]
 
@@ -196,7 +199,7 @@ class Model:
         ids: torch.Tensor,
         cache: KVCache,
         *,
-        passthrough: Optional[Any] = None,
+        passthrough: Optional[ForwardHooks] = None,
         last_only: bool = True,
     ) -> torch.Tensor:
         """Run ids [B, T] at positions cache.seq_len.. and return float32 logits [B, 1 or T, V]."""
@@ -264,7 +267,7 @@ class Model:
         h: torch.Tensor,
         cache: KVCache,
         pos: int,
-        passthrough: Optional[Any],
+        passthrough: Optional[ForwardHooks],
         pos_t: Optional[torch.Tensor] = None,
         length: int = 0,
     ) -> torch.Tensor:
@@ -307,7 +310,8 @@ class Model:
         return h + out
 
     @staticmethod
-    def _proj(index: int, layer: Layer, name: str, x: torch.Tensor, passthrough: Optional[Any]) -> torch.Tensor:
+    def _proj(index: int, layer: Layer, name: str, x: torch.Tensor,
+              passthrough: Optional[ForwardHooks]) -> torch.Tensor:
         y = project(x, getattr(layer, name), layer.biases.get(name))
         if passthrough is not None:
             delta = passthrough.linear_delta(index, name, x)
@@ -323,7 +327,7 @@ class Model:
         names: Tuple[str, ...],
         sizes: Tuple[int, ...],
         x: torch.Tensor,
-        passthrough: Optional[Any],
+        passthrough: Optional[ForwardHooks],
     ) -> List[torch.Tensor]:
         """The outputs of projections that share the input x, through their fused weight when there is one."""
         weight = getattr(layer, fused)

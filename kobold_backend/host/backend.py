@@ -284,7 +284,7 @@ class KoboldBackendMixin:
     def get_requested_parameters(
         self, model_name: str, model_path: Optional[str], menu_path: str, parameters: Optional[Dict[str, Any]] = None
     ) -> List[Dict[str, Any]]:
-        from kobold_backend.host.parameters import requested_parameters
+        from kobold_backend.engine.load_options import requested_parameters
 
         path = resolve_model_path(model_name, model_path)
         values = self._saved_values(model_name, model_path)
@@ -305,9 +305,9 @@ class KoboldBackendMixin:
     def _load(self, save_model: bool, initial_load: bool) -> None:
         from kobold_backend.engine.config import ModelConfig
         from kobold_backend.engine.generator import Generator
+        from kobold_backend.engine.load_options import planned_load_options
         from kobold_backend.engine.loader import load_model
         from kobold_backend.errors import ModelFormatError
-        from kobold_backend.host.parameters import load_options
         from kobold_backend.host.tokenizer_adapter import UnitedTokenizer
 
         if self.disable:
@@ -324,7 +324,7 @@ class KoboldBackendMixin:
         if path is None:
             raise ModelFormatError(f"No model folder found for {self.model_name or self.path!r}.")
         self.model_config = ModelConfig.from_dir(path)
-        options = load_options(values, self.model_config)
+        options = planned_load_options(values, path)
         self.load_values = options.values
         self.loaded = load_model(path, progress=self._progress, **options.load_kwargs())
         self.model = self.loaded.model

@@ -32,6 +32,7 @@ HOST_PYTHONS = (
     Path("runtime/envs/koboldai/python.exe"),
 )
 SKIPPED_SUFFIXES = (".pyc", ".pyo", ".so", ".pyd", ".dll", ".dylib")
+SCRIPTS = Path(__file__).resolve().parent / "scripts"  # programs run by path in the host's Python
 
 Say = Callable[[str], None]
 
@@ -80,26 +81,9 @@ def pip(python: Path, args: Sequence[str], cwd: Path) -> str:
     return run_python(python, ["-m", "pip", "--disable-pip-version-check", "--no-input", *args], cwd)
 
 
-# Runs inside the host's Python: what `pip freeze --all` would list, read through importlib.metadata (the first
-# distribution of each name on sys.path, as pip reports it) without pip's start-up cost.
-FREEZE_SCRIPT = r"""
-import json
-try:
-    from importlib import metadata
-except ImportError:
-    import importlib_metadata as metadata
-found = {}
-for dist in metadata.distributions():
-    name = dist.metadata["Name"]
-    if name and name not in found:
-        found[name] = dist.version
-print(json.dumps(found))
-"""
-
-
 def freeze(python: Path, cwd: Path) -> Dict[str, str]:
     """The host's installed packages as seen from its folder `cwd`: normalized name -> version."""
-    found = json.loads(run_python(python, ["-c", FREEZE_SCRIPT], cwd))
+    found = json.loads(run_python(python, [str(SCRIPTS / "installed_versions.py")], cwd))
     return {normalize(name): version for name, version in found.items()}
 
 
@@ -130,54 +114,9 @@ def project_requirements() -> List[str]:
     return list(data["project"]["dependencies"])
 
 
-# Runs inside the host's Python: which requirements are missing, and which installed versions conflict.
-PLAN_SCRIPT = r"""
-import json, sys
-try:
-    from packaging.requirements import Requirement
-except ImportError:
-    from pip._vendor.packaging.requirements import Requirement
-try:
-    from importlib import metadata
-except ImportError:
-    import importlib_metadata as metadata
-plan = {"missing": [], "conflicts": [], "satisfied": {}}
-for line in json.loads(sys.stdin.read()):
-    req = Requirement(line)
-    if req.marker is not None and not req.marker.evaluate():
-        continue
-    try:
-        version = metadata.version(req.name)
-    except metadata.PackageNotFoundError:
-        plan["missing"].append(line)
-        continue
-    if req.specifier and not req.specifier.contains(version, prereleases=True):
-        plan["conflicts"].append("%s %s is installed but kobold-backend needs %s" % (req.name, version, line))
-    else:
-        plan["satisfied"][req.name] = version
-print(json.dumps(plan))
-"""
-
-# Runs inside the host's Python from United's folder: import the shim the way aiserver.py does.
-VERIFY_SCRIPT = r"""
-import importlib, json, os, sys
-sys.path.insert(0, os.getcwd())
-module = importlib.import_module("modeling.inference_models.%s.class" % sys.argv[1])
-backend = module.model_backend()
-out = {"name": module.model_backend_name, "type": module.model_backend_type,
-       "disable": bool(getattr(backend, "disable", False)), "reason": getattr(backend, "disable_reason", None),
-       "base": [c.__module__ + "." + c.__name__ for c in type(backend).__mro__],
-       "package": getattr(sys.modules.get("kobold_backend"), "__file__", None)}
-if len(sys.argv) > 2 and not out["disable"]:
-    model = sys.argv[2]
-    out["is_valid"] = bool(backend.is_valid(os.path.basename(model), model, "Custom"))
-print("KOBOLD_BACKEND_VERIFY " + json.dumps(out))
-"""
-
-
 def plan_dependencies(python: Path, requirements: Sequence[str], cwd: Path) -> Dict[str, Any]:
-    proc = subprocess.run([str(python), "-c", PLAN_SCRIPT], input=json.dumps(list(requirements)), cwd=str(cwd),
-                          capture_output=True, text=True)
+    proc = subprocess.run([str(python), str(SCRIPTS / "requirement_plan.py")], input=json.dumps(list(requirements)),
+                          cwd=str(cwd), capture_output=True, text=True)
     if proc.returncode != 0:
         raise InstallError(f"Could not inspect the host's packages with {python}:\n{proc.stderr}")
     return json.loads(proc.stdout)
@@ -242,7 +181,9 @@ def changed_pins(pins: Dict[str, str], now: Dict[str, str]) -> List[str]:
 
 def verify_shim(python: Path, koboldai_dir: Path, model: Optional[Path]) -> Dict[str, Any]:
     """Import class.py with the host's Python the way United does and call is_valid on `model`."""
-    args = ["-c", VERIFY_SCRIPT, PLUGIN_FOLDER] + ([str(Path(model).resolve())] if model is not None else [])
+    args = [str(SCRIPTS / "import_shim.py"), PLUGIN_FOLDER]
+    if model is not None:
+        args.append(str(Path(model).resolve()))
     output = run_python(python, args, cwd=koboldai_dir)
     lines = [line for line in output.splitlines() if line.startswith("KOBOLD_BACKEND_VERIFY ")]
     if not lines:

@@ -15,7 +15,7 @@ from kobold_backend.ops.ggml import ggml_matmul
 from kobold_backend.ops.reference import attention, linear
 
 if TYPE_CHECKING:
-    from kobold_backend.engine.gptq import GPTQWeight
+    from kobold_backend.ops.gptq_weight import GPTQWeight
 
 __all__ = [
     "add_rms_norm",

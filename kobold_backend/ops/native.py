@@ -1,23 +1,22 @@
-"""Loads the compiled kernels (prebuilt module -> JIT build -> torch reference) and wraps them as torch ops.
+"""Loads the compiled kernels (prebuilt module -> JIT build -> torch reference), checks their fingerprints,
+and keeps the resolved implementation per device kind.
 
 The modules `kobold_backend._ext_cpu` and `kobold_backend._ext_cuda` take data pointers, shapes, strides,
-dtype codes and the CUDA stream as plain integers; the wrappers here allocate outputs with torch and pass
-their addresses, so a binary does not depend on libtorch's C++ ABI.
+dtype codes and the CUDA stream as plain integers; the wrappers (ops/cpu_kernels.py, ops/cuda_kernels.py)
+allocate outputs with torch and pass their addresses, so a binary does not depend on libtorch's C++ ABI.
+`kobold-backend doctor` prints what is loaded here (kobold_backend/doctor.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import importlib.util
 import logging
 import os
-import platform
 import shutil
 import sys
 import tempfile
 import threading
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -26,7 +25,9 @@ import torch
 
 import kobold_backend
 from kobold_backend.errors import ExtensionError
-from kobold_backend.ops import build, reference
+from kobold_backend.ops import build
+from kobold_backend.ops.cpu_kernels import CpuKernels
+from kobold_backend.ops.cuda_kernels import CudaKernels
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +35,6 @@ ENV_MODE = "KOBOLD_BACKEND_EXT"
 ENV_CACHE = "KOBOLD_BACKEND_CACHE"
 MODES = ("auto", "prebuilt", "jit", "torch")
 KINDS = ("cpu", "cuda")
-GEMV_MAX_ROWS = 8
-
-_DTYPE_CODES: Dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-# Scratch per (device, stream) for split-K GEMV and split-sequence attention: 16 MiB + 256 KiB.
-_WS_FLOATS = 1 << 22
-_WS_COUNTERS = 1 << 16
 
 
 def current_mode() -> str:
@@ -112,6 +107,14 @@ def _import_prebuilt_from(package: str, kind: str) -> Any:
             f"The prebuilt kernel module {name} failed to import ({_one_line(exc)}); rebuild it with `pip install .` "
             f"for this Python and platform, or set {ENV_MODE}=jit to compile it here."
         ) from exc
+
+
+def prebuilt_origin(module: Any) -> str:
+    """Where a prebuilt module came from, in words: built into this package, or the prebuilt-wheel package."""
+    package = str(getattr(module, "__name__", "")).split(".")[0]
+    if package == PREBUILT_PACKAGES[1]:
+        return f"from the prebuilt wheel {package}, installed by `kobold-backend install-ext`"
+    return "built into the kobold_backend package by `pip install .` or `setup.py build_ext`"
 
 
 def _import_file(kind: str, file: Path) -> Any:
@@ -298,7 +301,7 @@ def load(kind: str, mode: Optional[str] = None) -> LoadResult:
                 problems.append(missing)
             else:
                 fp = _validate(module, kind, "prebuilt")
-                return LoadResult(kind, "prebuilt", "installed module", module, module.__file__, fp, problems)
+                return LoadResult(kind, "prebuilt", prebuilt_origin(module), module, module.__file__, fp, problems)
         except ExtensionError as exc:
             if mode == "prebuilt":
                 raise
@@ -398,491 +401,3 @@ def status() -> Dict[str, Any]:
             "fingerprint": result.fingerprint,
         }
     return report
-
-
-def _driver_info() -> Tuple[Optional[str], Optional[int]]:
-    """(driver version string, CUDA version the driver supports as 1000*major+10*minor), None when unknown."""
-    version = None
-    try:
-        with open("/proc/driver/nvidia/version", encoding="utf-8") as f:
-            for word in f.read().split():
-                if word.count(".") >= 1 and word.replace(".", "").isdigit():
-                    version = word
-                    break
-    except OSError:
-        pass
-    cuda = None
-    names = ["nvcuda.dll"] if sys.platform == "win32" else ["libcuda.so.1", "libcuda.dylib"]
-    for name in names:
-        try:
-            lib = ctypes.CDLL(name)
-        except OSError:
-            continue
-        value = ctypes.c_int(0)
-        if lib.cuDriverGetVersion(ctypes.byref(value)) == 0:
-            cuda = value.value
-        break
-    return version, cuda
-
-
-def _wheel_lines() -> List[str]:
-    """The prebuilt-wheel decision (kobold_backend/wheels.py) as doctor lines; one line if that check fails."""
-    try:
-        from kobold_backend import wheels
-
-        return wheels.doctor_lines()
-    except Exception as exc:  # the doctor reports every failure instead of raising
-        return [f"Prebuilt wheel check failed: {_one_line(exc)}"]
-
-
-def doctor_report() -> str:
-    """A multi-line report: Python, torch, CUDA runtime and driver, GPUs, and the active kernel paths."""
-    lines = [
-        f"Python {platform.python_version()} ({sys.executable}) on {platform.platform()}",
-        f"torch {torch.__version__} (CUDA runtime {torch.version.cuda or 'none'})",
-    ]
-    driver, cuda = _driver_info()
-    if driver or cuda:
-        supports = f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else "unknown"
-        lines.append(f"NVIDIA driver {driver or 'unknown'} (supports CUDA {supports})")
-    else:
-        lines.append("NVIDIA driver: not found")
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            lines.append(
-                f"GPU {i}: {p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.1f} GiB, "
-                f"{p.multi_processor_count} SMs"
-            )
-    else:
-        lines.append("GPUs: none visible to torch")
-    info = status()
-    lines.append(f"kobold_backend {kobold_backend.__version__}, {ENV_MODE}={info['mode']}")
-    lines += _wheel_lines()
-    for kind in KINDS:
-        entry = info[kind]
-        where = f" {entry['file']}" if entry.get("file") else ""
-        lines.append(f"{kind.upper()} kernels: {entry['path']}{where} ({entry['reason']})")
-        fp = entry.get("fingerprint")
-        if fp:
-            details = ", ".join(f"{k}={v}" for k, v in sorted(fp.items()) if k != "kind")
-            lines.append(f"  fingerprint: {details}")
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------- wrappers
-
-
-def _out(out: Optional[torch.Tensor], shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
-    if out is None:
-        return torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
-    if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or out.device != like.device:
-        raise ValueError(f"out must be {like.dtype} {tuple(shape)} on {like.device}, got {out.dtype} "
-                         f"{tuple(out.shape)} on {out.device}")
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous")
-    return out
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as a 2-D [rows, last] view whose last dimension is contiguous (copying only when it must)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _no_tensor() -> None:
-    return None
-
-
-def _ref(t: Optional[torch.Tensor]) -> Any:
-    return _no_tensor if t is None else weakref.ref(t)
-
-
-# id(GPTQWeight) -> weak references to it and its tensors, plus the device and sizes it was checked for.
-_GPTQ_CHECKED: Dict[int, Tuple[Any, ...]] = {}
-
-
-def _check_gptq(w: Any, device: torch.device) -> None:
-    """Shapes, dtypes and devices the kernels rely on (raising here avoids reading out of bounds).
-
-    The result is remembered per weight object and its tensors, so a decode step pays a few identity tests.
-    """
-    entry = _GPTQ_CHECKED.get(id(w))
-    if (entry is not None and entry[0]() is w and entry[1]() is w.qweight and entry[2]() is w.scales
-            and entry[3]() is w.zeros and entry[4]() is w.perm and entry[5]() is w.bias and entry[6] == device
-            and entry[7] == (w.in_features, w.out_features, w.group_size)):
-        return
-    k, n, gs = w.in_features, w.out_features, w.group_size
-    groups = -(-k // gs) if gs > 0 else 0
-    problems = []
-    if gs <= 0:
-        problems.append(f"group_size {gs}")
-    if w.qweight.dtype != torch.int32 or tuple(w.qweight.shape) != (-(-k // 8), n) or not w.qweight.is_contiguous():
-        problems.append(f"qweight {w.qweight.dtype} {tuple(w.qweight.shape)}")
-    for name in ("scales", "zeros"):
-        t = getattr(w, name)
-        if tuple(t.shape) != (groups, n) or not t.is_contiguous():
-            problems.append(f"{name} {tuple(t.shape)}")
-    if w.perm is not None and (w.perm.dtype != torch.int64 or tuple(w.perm.shape) != (k,)
-                               or not w.perm.is_contiguous()):
-        problems.append(f"perm {w.perm.dtype} {tuple(w.perm.shape)}")
-    if w.bias is not None and (tuple(w.bias.shape) != (n,) or not w.bias.is_contiguous()):
-        problems.append(f"bias {tuple(w.bias.shape)}")
-    tensors = [w.qweight, w.scales, w.zeros, w.perm, w.bias]
-    if any(t is not None and t.device != device for t in tensors):
-        problems.append(f"tensors not all on {device}")
-    if problems:
-        raise ValueError(f"malformed GPTQWeight [{k}x{n}, group {gs}]: " + ", ".join(problems))
-    if len(_GPTQ_CHECKED) > 100_000:
-        _GPTQ_CHECKED.clear()
-    _GPTQ_CHECKED[id(w)] = (weakref.ref(w), _ref(w.qweight), _ref(w.scales), _ref(w.zeros), _ref(w.perm),
-                            _ref(w.bias), device, (k, n, gs))
-
-
-class CpuKernels:
-    """The ops of kobold_backend/ops/__init__.py on CPU tensors through `_ext_cpu` (fp32, fp16, bf16)."""
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if x.dtype not in _DTYPE_CODES or weight.dtype not in _DTYPE_CODES or weight.shape != x.shape[-1:]:
-            return reference.rms_norm(x, weight, eps)
-        x2, w = _rows(x), weight.contiguous()
-        y = _out(out, x.shape, x)
-        self.module.rms_norm(x2.data_ptr(), x2.stride(0), 0, 0, _DTYPE_CODES[x.dtype], x2.shape[0], x2.shape[1],
-                             w.data_ptr(), _DTYPE_CODES[w.dtype], float(eps), y.data_ptr(), 0,
-                             torch.get_num_threads())
-        return y
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     out: Optional[torch.Tensor] = None, residual_out: Optional[torch.Tensor] = None
-                     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        if (x.dtype not in _DTYPE_CODES or residual.dtype != x.dtype or residual.shape != x.shape
-                or weight.dtype not in _DTYPE_CODES or weight.shape != x.shape[-1:]):
-            return reference.add_rms_norm(x, residual, weight, eps)
-        x2, r2, w = _rows(x), _rows(residual), weight.contiguous()
-        y, ro = _out(out, x.shape, x), _out(residual_out, x.shape, x)
-        self.module.rms_norm(x2.data_ptr(), x2.stride(0), r2.data_ptr(), r2.stride(0), _DTYPE_CODES[x.dtype],
-                             x2.shape[0], x2.shape[1], w.data_ptr(), _DTYPE_CODES[w.dtype], float(eps),
-                             y.data_ptr(), ro.data_ptr(), torch.get_num_threads())
-        return y, ro
-
-    def gptq_dequantize(self, w: Any, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if w.scales.dtype not in _DTYPE_CODES or w.zeros.dtype != w.scales.dtype:
-            return reference.gptq_dequantize(w)
-        _check_gptq(w, w.qweight.device)
-        y = _out(out, (w.in_features, w.out_features), w.scales)
-        self.module.gptq_dequantize(w.qweight.data_ptr(), w.in_features, w.out_features, w.scales.data_ptr(),
-                                    w.zeros.data_ptr(), _DTYPE_CODES[w.scales.dtype], w.group_size,
-                                    w.scales.shape[0], y.data_ptr(), torch.get_num_threads())
-        return y
-
-    def gptq_matmul(self, x: torch.Tensor, w: Any, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if (x.dim() != 2 or x.shape[1] != w.in_features or x.dtype not in _DTYPE_CODES
-                or w.scales.dtype not in _DTYPE_CODES or w.zeros.dtype != w.scales.dtype
-                or (w.bias is not None and w.bias.dtype not in _DTYPE_CODES)):
-            return reference.gptq_matmul(x, w)
-        m = x.shape[0]
-        if not (1 <= m <= GEMV_MAX_ROWS and w.group_size % 8 == 0):
-            y = self._dequant_matmul(x, w)
-            return y if out is None else _out(out, y.shape, x).copy_(y)
-        _check_gptq(w, x.device)
-        x2 = _last_contiguous(x)
-        y = _out(out, (m, w.out_features), x)
-        bias = w.bias
-        self.module.gptq_gemv(
-            x2.data_ptr(), _DTYPE_CODES[x.dtype], x2.stride(0), m, w.in_features,
-            0 if w.perm is None else w.perm.data_ptr(), w.qweight.data_ptr(), w.out_features,
-            w.scales.data_ptr(), w.zeros.data_ptr(), _DTYPE_CODES[w.scales.dtype], w.group_size, w.scales.shape[0],
-            0 if bias is None else bias.data_ptr(), _DTYPE_CODES[bias.dtype] if bias is not None else 0,
-            y.data_ptr(), _DTYPE_CODES[x.dtype], torch.get_num_threads())
-        return y
-
-    def _dequant_matmul(self, x: torch.Tensor, w: Any) -> torch.Tensor:
-        if w.perm is not None:
-            x = x.index_select(-1, w.perm)
-        y = torch.matmul(x, self.gptq_dequantize(w).to(x.dtype))
-        if w.bias is not None:
-            y = y + w.bias.to(y.dtype)
-        return y
-
-    def rope_cache_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if not _rope_supported(q, k, v, cos, sin, k_cache, v_cache, _DTYPE_CODES):
-            return reference.rope_cache_write(q, k, v, cos, sin, pos, k_cache, v_cache)
-        b, t, hq, d = q.shape
-        _check_rope_range(pos, t, k_cache.shape[2], cos.shape[0], sin.shape[0])
-        q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
-        q_out = _out(out, q.shape, q)
-        self.module.rope_cache_write(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), _DTYPE_CODES[q.dtype], q.stride()[:3], k.stride()[:3],
-            v.stride()[:3], b, t, hq, k.shape[2], d, cos.data_ptr(), sin.data_ptr(), _DTYPE_CODES[cos.dtype],
-            cos.stride(0), sin.stride(0), int(pos), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride()[:3],
-            v_cache.stride()[:3], q_out.data_ptr(), torch.get_num_threads())
-        return q_out
-
-    def rope_cache_write_at(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                            sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if q.dim() != 4 or q.shape[1] != 1 or pos.numel() != 1:
-            return reference.rope_cache_write_at(q, k, v, cos, sin, pos, k_cache, v_cache)
-        return self.rope_cache_write(q, k, v, cos, sin, int(pos), k_cache, v_cache, out=out)
-
-    def decode_attention_at(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                            length: int, scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if pos.numel() != 1:
-            return reference.decode_attention_at(q, k_cache, v_cache, pos, length, scale)
-        return self.decode_attention(q, k_cache, v_cache, min(int(pos) + 1, length), scale, out=out)
-
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int,
-                         scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if not _attention_supported(q, k_cache, v_cache, seq_len, _DTYPE_CODES):
-            return reference.decode_attention(q, k_cache, v_cache, seq_len, scale)
-        q = _last_contiguous(q)
-        y = _out(out, q.shape, q)
-        b, hq, d = q.shape
-        self.module.decode_attention(
-            q.data_ptr(), _DTYPE_CODES[q.dtype], q.stride(0), q.stride(1), b, hq, k_cache.shape[1], d,
-            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride()[:3], v_cache.stride()[:3], int(seq_len),
-            float(scale), y.data_ptr(), torch.get_num_threads())
-        return y
-
-    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if gate.dtype not in _DTYPE_CODES or up.dtype != gate.dtype or up.shape != gate.shape:
-            return reference.silu_mul(gate, up)
-        g, u = gate.contiguous(), up.contiguous()
-        y = _out(out, gate.shape, gate)
-        self.module.silu_mul(g.data_ptr(), u.data_ptr(), _DTYPE_CODES[g.dtype], g.numel(), y.data_ptr(),
-                             torch.get_num_threads())
-        return y
-
-
-_CUDA_CODES: Dict[torch.dtype, int] = {torch.float16: 1}
-
-
-def _rope_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, codes: Dict[torch.dtype, int]) -> bool:
-    if q.dim() != 4 or k.dim() != 4 or k_cache.dim() != 4:
-        return False
-    b, t, _, d = q.shape
-    hkv = k.shape[2]
-    return (
-        q.dtype in codes and all(x.dtype == q.dtype for x in (k, v, k_cache, v_cache))
-        and cos.dtype in (torch.float32, q.dtype) and sin.dtype == cos.dtype
-        and tuple(k.shape) == (b, t, hkv, d) and tuple(v.shape) == (b, t, hkv, d)
-        and k_cache.shape[0] == b and k_cache.shape[1] == hkv and k_cache.shape[3] == d
-        and v_cache.shape == k_cache.shape and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-        and cos.dim() == 2 and cos.shape[1] == d and sin.shape == cos.shape
-        and cos.stride(-1) == 1 and sin.stride(-1) == 1 and d % 2 == 0
-    )
-
-
-def _check_rope_range(pos: int, t: int, cache_len: int, cos_len: int, sin_len: int) -> None:
-    if pos < 0 or pos + t > min(cache_len, cos_len, sin_len):
-        raise ValueError(f"positions {pos}..{pos + t - 1} fall outside the cache ({cache_len}) or the RoPE "
-                         f"tables ({cos_len})")
-
-
-def _attention_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int,
-                         codes: Dict[torch.dtype, int]) -> bool:
-    if q.dim() != 3 or k_cache.dim() != 4:
-        return False
-    b, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    if not (q.dtype in codes and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
-            and k_cache.shape[0] == b and k_cache.shape[3] == d and v_cache.shape == k_cache.shape
-            and hkv > 0 and hq % hkv == 0 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1):
-        return False
-    if not 1 <= seq_len <= k_cache.shape[2]:
-        raise ValueError(f"seq_len {seq_len} is outside 1..{k_cache.shape[2]} (the cache length)")
-    return True
-
-
-class CudaKernels:
-    """The ops on fp16 CUDA tensors through `_ext_cuda` (other dtypes use the torch reference)."""
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-        self._workspaces: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
-        # torch's own fast accessor of the current cudaStream_t (what its compiler uses), if this torch has it.
-        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-    def _stream(self, device: torch.device) -> int:
-        if self._raw_stream is not None:
-            return int(self._raw_stream(device.index))
-        return torch.cuda.current_stream(device).cuda_stream
-
-    def _workspace(self, device: torch.device, stream: int) -> Tuple[int, int, int, int]:
-        key = (device.index, stream)
-        ws = self._workspaces.get(key)
-        if ws is None:
-            ws = (torch.empty(_WS_FLOATS, dtype=torch.float32, device=device),
-                  torch.zeros(_WS_COUNTERS, dtype=torch.int32, device=device))
-            self._workspaces[key] = ws
-        return ws[0].data_ptr(), _WS_FLOATS, ws[1].data_ptr(), _WS_COUNTERS
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if (x.dtype != torch.float16 or weight.dtype not in (torch.float16, torch.float32)
-                or weight.shape != x.shape[-1:] or weight.device != x.device):
-            return reference.rms_norm(x, weight, eps)
-        x2, w = _rows(x), weight.contiguous()
-        y = _out(out, x.shape, x)
-        dev = x.device
-        self.module.rms_norm(x2.data_ptr(), x2.stride(0), 0, 0, x2.shape[0], x2.shape[1], w.data_ptr(),
-                             _DTYPE_CODES[w.dtype], float(eps), y.data_ptr(), 0, dev.index, self._stream(dev))
-        return y
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     out: Optional[torch.Tensor] = None, residual_out: Optional[torch.Tensor] = None
-                     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        if (x.dtype != torch.float16 or residual.dtype != x.dtype or residual.shape != x.shape
-                or weight.dtype not in (torch.float16, torch.float32) or weight.shape != x.shape[-1:]
-                or residual.device != x.device or weight.device != x.device):
-            return reference.add_rms_norm(x, residual, weight, eps)
-        x2, r2, w = _rows(x), _rows(residual), weight.contiguous()
-        y, ro = _out(out, x.shape, x), _out(residual_out, x.shape, x)
-        dev = x.device
-        self.module.rms_norm(x2.data_ptr(), x2.stride(0), r2.data_ptr(), r2.stride(0), x2.shape[0], x2.shape[1],
-                             w.data_ptr(), _DTYPE_CODES[w.dtype], float(eps), y.data_ptr(), ro.data_ptr(),
-                             dev.index, self._stream(dev))
-        return y, ro
-
-    def gptq_dequantize(self, w: Any, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if w.scales.dtype != torch.float16 or w.zeros.dtype != torch.float16:
-            return reference.gptq_dequantize(w)
-        dev = w.qweight.device
-        _check_gptq(w, dev)
-        y = _out(out, (w.in_features, w.out_features), w.scales)
-        self.module.gptq_dequantize(w.qweight.data_ptr(), w.in_features, w.out_features, w.scales.data_ptr(),
-                                    w.zeros.data_ptr(), w.group_size, w.scales.shape[0], y.data_ptr(), dev.index,
-                                    self._stream(dev))
-        return y
-
-    def gptq_matmul(self, x: torch.Tensor, w: Any, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if (x.dim() != 2 or x.shape[1] != w.in_features or x.dtype != torch.float16
-                or w.scales.dtype != torch.float16 or w.zeros.dtype != torch.float16
-                or (w.bias is not None and w.bias.dtype != torch.float16)):
-            return reference.gptq_matmul(x, w)
-        m, n = x.shape[0], w.out_features
-        dev = x.device
-        _check_gptq(w, dev)
-        gemv_ok = (1 <= m <= GEMV_MAX_ROWS and w.group_size % 8 == 0 and n % 4 == 0
-                   and w.qweight.data_ptr() % 16 == 0 and w.scales.data_ptr() % 8 == 0
-                   and w.zeros.data_ptr() % 8 == 0)
-        if not gemv_ok:
-            y = self._dequant_matmul(x, w)
-            return y if out is None else _out(out, y.shape, x).copy_(y)
-        x2 = _last_contiguous(x)
-        y = _out(out, (m, n), x)
-        stream = self._stream(dev)
-        self.module.gptq_gemv(
-            x2.data_ptr(), x2.stride(0), m, w.in_features, 0 if w.perm is None else w.perm.data_ptr(),
-            w.qweight.data_ptr(), n, w.scales.data_ptr(), w.zeros.data_ptr(), w.group_size, w.scales.shape[0],
-            0 if w.bias is None else w.bias.data_ptr(), y.data_ptr(), self._workspace(dev, stream), dev.index,
-            stream)
-        return y
-
-    def _dequant_matmul(self, x: torch.Tensor, w: Any) -> torch.Tensor:
-        if w.perm is not None:
-            x = x.index_select(-1, w.perm)
-        y = torch.matmul(x, self.gptq_dequantize(w))
-        if w.bias is not None:
-            y = y + w.bias
-        return y
-
-    def rope_cache_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if not self._rope_ok(q, k, v, cos, sin, k_cache, v_cache):
-            return reference.rope_cache_write(q, k, v, cos, sin, pos, k_cache, v_cache)
-        _check_rope_range(pos, q.shape[1], k_cache.shape[2], cos.shape[0], sin.shape[0])
-        return self._rope(q, k, v, cos, sin, int(pos), 0, k_cache, v_cache, out)
-
-    def rope_cache_write_at(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                            sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One token at the position held by the device tensor `pos` (read by the kernel: graph-capturable)."""
-        if (not self._rope_ok(q, k, v, cos, sin, k_cache, v_cache) or q.shape[1] != 1 or pos.numel() != 1
-                or pos.dtype != torch.int64 or pos.device != q.device):
-            return reference.rope_cache_write_at(q, k, v, cos, sin, pos, k_cache, v_cache)
-        return self._rope(q, k, v, cos, sin, 0, pos.data_ptr(), k_cache, v_cache, out)
-
-    @staticmethod
-    def _rope_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        dev = q.device
-        return (_rope_supported(q, k, v, cos, sin, k_cache, v_cache, _CUDA_CODES)
-                and all(t.device == dev for t in (k, v, cos, sin, k_cache, v_cache)))
-
-    def _rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              pos: int, pos_dev: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              out: Optional[torch.Tensor]) -> torch.Tensor:
-        dev = q.device
-        b, t, hq, d = q.shape
-        q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
-        q_out = _out(out, q.shape, q)
-        max_pos = min(k_cache.shape[2], cos.shape[0], sin.shape[0])
-        self.module.rope_cache_write(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride()[:3], k.stride()[:3], v.stride()[:3], b, t, hq,
-            k.shape[2], d, cos.data_ptr(), sin.data_ptr(), _DTYPE_CODES[cos.dtype], cos.stride(0), sin.stride(0),
-            pos, pos_dev, max_pos, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride()[:3],
-            v_cache.stride()[:3], q_out.data_ptr(), dev.index, self._stream(dev))
-        return q_out
-
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int,
-                         scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if not self._attention_ok(q, k_cache, v_cache, seq_len):
-            return reference.decode_attention(q, k_cache, v_cache, seq_len, scale)
-        return self._attention(q, k_cache, v_cache, seq_len, 0, scale, out)
-
-    def decode_attention_at(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                            length: int, scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Attention over cache[:, :, :length] with positions after the device tensor `pos` masked."""
-        if (not self._attention_ok(q, k_cache, v_cache, length) or pos.numel() != 1 or pos.dtype != torch.int64
-                or pos.device != q.device):
-            return reference.decode_attention_at(q, k_cache, v_cache, pos, length, scale)
-        return self._attention(q, k_cache, v_cache, length, pos.data_ptr(), scale, out)
-
-    @staticmethod
-    def _attention_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int) -> bool:
-        dev = q.device
-        return (_attention_supported(q, k_cache, v_cache, seq_len, _CUDA_CODES) and k_cache.device == dev
-                and v_cache.device == dev and _attention_layout_ok(q, k_cache, v_cache))
-
-    def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int, pos_dev: int,
-                   scale: float, out: Optional[torch.Tensor]) -> torch.Tensor:
-        dev = q.device
-        q = _last_contiguous(q)
-        y = _out(out, q.shape, q)
-        b, hq, d = q.shape
-        stream = self._stream(dev)
-        self.module.decode_attention(
-            q.data_ptr(), q.stride(0), q.stride(1), b, hq, k_cache.shape[1], d, k_cache.data_ptr(),
-            v_cache.data_ptr(), k_cache.stride()[:3], v_cache.stride()[:3], int(seq_len), pos_dev, float(scale),
-            y.data_ptr(), self._workspace(dev, stream), dev.index, stream)
-        return y
-
-    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if gate.dtype != torch.float16 or up.dtype != gate.dtype or up.shape != gate.shape or up.device != gate.device:
-            return reference.silu_mul(gate, up)
-        g, u = gate.contiguous(), up.contiguous()
-        y = _out(out, gate.shape, gate)
-        dev = gate.device
-        self.module.silu_mul(g.data_ptr(), u.data_ptr(), g.numel(), y.data_ptr(), dev.index, self._stream(dev))
-        return y
-
-
-def _attention_layout_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The CUDA kernel's 16-byte K-row and 4-byte V-row loads: head_dim % 8 == 0, <= 256, aligned strides."""
-    d = q.shape[-1]
-    ks, vs = k_cache.stride(), v_cache.stride()
-    return (d % 8 == 0 and d <= 256 and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 4 == 0
-            and all(s % 8 == 0 for s in ks[:3]) and all(s % 2 == 0 for s in vs[:3]))

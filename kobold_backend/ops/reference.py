@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from kobold_backend.engine.gptq import GPTQWeight
+    from kobold_backend.ops.gptq_weight import GPTQWeight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

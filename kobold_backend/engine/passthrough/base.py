@@ -1,5 +1,6 @@
-"""The pieces every passthrough action shares: the server-side PassthroughConfig (folders, limits, caches), the
-Action base class a factory returns, and the ActionContext a factory validates its parameters against."""
+"""The pieces every passthrough action shares: the ForwardHooks protocol Model.forward calls, the server-side
+PassthroughConfig (folders, limits, caches), the Action base class a factory returns, and the ActionContext a
+factory validates its parameters against."""
 
 from __future__ import annotations
 
@@ -7,11 +8,25 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection, Hashable, Optional
+from typing import Any, Callable, Collection, Hashable, Optional, Protocol
 
 import torch
 
 from kobold_backend.errors import RequestError
+
+
+class ForwardHooks(Protocol):
+    """What Model.forward calls while a request runs (the `passthrough` of GenerationRequest, Lane and
+    Model.forward): an Action, the ForwardPassthrough that runs a request's actions, or any object with these two
+    methods. Two more are optional and called when present: `begin(prompt_tokens)` before a run, and
+    `guide_view()` giving the hooks a classifier-free-guidance lane runs (None: none; absent: the same hooks).
+    """
+
+    def after_layer(self, index: int, hidden: torch.Tensor, pos: int) -> Optional[torch.Tensor]:
+        """The residual stream after decoder layer `index`, [B, T, H] at positions pos..pos+T-1; None: unchanged."""
+
+    def linear_delta(self, index: int, proj: str, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """A delta added to projection `proj` of layer `index` for its input x [B, T, K], or None."""
 
 
 class LRUCache:

@@ -1,5 +1,6 @@
-"""Load parameters in KoboldAI United's dict format (shared by the United plugin and the server's web page),
-and their conversion into load_model() arguments.
+"""The engine's load options: their schema in KoboldAI United's parameter-dict format (rendered by the United
+plugin and by the server's web page alike), and their conversion into load_model() arguments with the layer
+split planned against free memory by kobold_backend.engine.device_map.
 
 Parameter ids: "valid_layers" (the "Valid Display" total), "<i>_Layers" per CUDA device, "CPU_Layers",
 "max_ctx", "compress_emb", "ntk_alpha", "cache_dtype", "embed_on_cpu". Saved settings use the same ids.
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.device_map import HardwareProbe, plan_split
 from kobold_backend.errors import KoboldBackendError, RequestError
 
 CPU_LAYERS = "CPU_Layers"
@@ -255,6 +257,7 @@ class LoadOptions:
     dtype: Optional[str]
     embed_on_cpu: bool
     values: Dict[str, Any]
+    layer_counts: Dict[str, int]
 
     def load_kwargs(self) -> Dict[str, Any]:
         return {
@@ -320,4 +323,23 @@ def load_options(
         dtype=None if dtype == "auto" else dtype,
         embed_on_cpu=embed_on_cpu,
         values=saved,
+        layer_counts={("cpu" if key == CPU_LAYERS else f"cuda:{key[: -len('_Layers')]}"): count
+                      for key, count in split.items()},
     )
+
+
+def planned_load_options(
+    values: Dict[str, Any], folder: Union[str, Path], gpus: Optional[Sequence[str]] = None,
+    probe: Optional[HardwareProbe] = None,
+) -> LoadOptions:
+    """load_options() with the layer split planned by device_map.plan_split, the placement the CLI's
+    --gpu-split/--cpu-layers get: each device's weights, KV cache and buffers are checked against its free
+    memory (`probe`, default this machine) before anything is read, and PlanError names the device and the
+    shortfall; CPU layers come first, norm and lm_head go on the first GPU given layers."""
+    options = load_options(values, ModelConfig.from_dir(folder), gpus)
+    plan = plan_split(folder, options.max_seq_len, layer_counts=options.layer_counts,
+                      embed_on_cpu=options.embed_on_cpu, dtype=options.dtype, probe=probe)
+    if plan is not None:
+        options.device = plan.head_device
+        options.layer_devices = None if plan.uniform else list(plan.layer_devices)
+    return options

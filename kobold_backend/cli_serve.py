@@ -1,4 +1,5 @@
-"""`kobold-backend serve`: load a model (or the demo model) and serve the KoboldAI API and web page with waitress."""
+"""`kobold-backend serve`: its options, then load a model (or the demo model) and serve the KoboldAI API and web
+page with waitress (kobold_backend/server builds the app; this module is the command line in front of it)."""
 
 from __future__ import annotations
 
@@ -60,8 +61,8 @@ def _is_loopback(host: str) -> bool:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted."""
-    from kobold_backend.cli import stderr_progress
-    from kobold_backend.engine.device_map import split_from_args
+    from kobold_backend.cli_split import split_from_args
+    from kobold_backend.progress import stderr_progress
     from kobold_backend.server.app import create_app
     from kobold_backend.server.config import ServerConfig
     from kobold_backend.server.engine_holder import EngineHolder

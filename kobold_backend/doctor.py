@@ -1,0 +1,83 @@
+"""`kobold-backend doctor`: Python, torch, the NVIDIA driver, GPUs, which kernel path serves CPU and CUDA tensors
+and why (kobold_backend/ops/native.py), and the prebuilt-wheel decision (kobold_backend/wheels.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import sys
+from typing import List, Optional, Tuple
+
+import torch
+
+import kobold_backend
+from kobold_backend import wheels
+from kobold_backend.ops import native
+
+
+def _driver_info() -> Tuple[Optional[str], Optional[int]]:
+    """(driver version string, CUDA version the driver supports as 1000*major+10*minor), None when unknown."""
+    version = None
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as f:
+            for word in f.read().split():
+                if word.count(".") >= 1 and word.replace(".", "").isdigit():
+                    version = word
+                    break
+    except OSError:
+        pass
+    cuda = None
+    names = ["nvcuda.dll"] if sys.platform == "win32" else ["libcuda.so.1", "libcuda.dylib"]
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        value = ctypes.c_int(0)
+        if lib.cuDriverGetVersion(ctypes.byref(value)) == 0:
+            cuda = value.value
+        break
+    return version, cuda
+
+
+def _wheel_lines() -> List[str]:
+    """The prebuilt-wheel decision (kobold_backend/wheels.py) as doctor lines; one line if that check fails."""
+    try:
+        return wheels.doctor_lines()
+    except Exception as exc:  # the doctor reports every failure instead of raising
+        return ["Prebuilt wheel check failed: " + " ".join(str(exc).split())]
+
+
+def doctor_report() -> str:
+    """A multi-line report: Python, torch, CUDA runtime and driver, GPUs, and the active kernel paths."""
+    lines = [
+        f"Python {platform.python_version()} ({sys.executable}) on {platform.platform()}",
+        f"torch {torch.__version__} (CUDA runtime {torch.version.cuda or 'none'})",
+    ]
+    driver, cuda = _driver_info()
+    if driver or cuda:
+        supports = f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else "unknown"
+        lines.append(f"NVIDIA driver {driver or 'unknown'} (supports CUDA {supports})")
+    else:
+        lines.append("NVIDIA driver: not found")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            lines.append(
+                f"GPU {i}: {p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.1f} GiB, "
+                f"{p.multi_processor_count} SMs"
+            )
+    else:
+        lines.append("GPUs: none visible to torch")
+    info = native.status()
+    lines.append(f"kobold_backend {kobold_backend.__version__}, {native.ENV_MODE}={info['mode']}")
+    lines += _wheel_lines()
+    for kind in native.KINDS:
+        entry = info[kind]
+        where = f" {entry['file']}" if entry.get("file") else ""
+        lines.append(f"{kind.upper()} kernels: {entry['path']}{where} ({entry['reason']})")
+        fp = entry.get("fingerprint")
+        if fp:
+            details = ", ".join(f"{k}={v}" for k, v in sorted(fp.items()) if k != "kind")
+            lines.append(f"  fingerprint: {details}")
+    return "\n".join(lines)

@@ -1,0 +1,227 @@
+"""The ops on fp16 CUDA tensors through `_ext_cuda` (other dtypes use the torch reference): shapes and
+alignment are checked, outputs allocated with torch, and the kernels get addresses, strides, the device and the
+current stream by name, plus a per-(device, stream) workspace for split-K GEMV and split-sequence attention."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from kobold_backend.ops import reference
+from kobold_backend.ops.marshal import (
+    DTYPE_CODES,
+    GEMV_MAX_ROWS,
+    attention_supported,
+    call,
+    check_gptq,
+    check_rope_range,
+    last_contiguous,
+    out_tensor,
+    rope_supported,
+    rows,
+)
+
+CUDA_CODES: Dict[torch.dtype, int] = {torch.float16: 1}
+# Scratch per (device, stream) for split-K GEMV and split-sequence attention: 16 MiB + 256 KiB.
+WS_FLOATS = 1 << 22
+WS_COUNTERS = 1 << 16
+
+# The parameter names of each binding in csrc/cuda/module_cuda.cpp, in order.
+CUDA_SIGNATURES: Dict[str, Tuple[str, ...]] = {
+    "gptq_gemv": ("x", "x_stride", "rows", "k", "perm", "qweight", "n", "scales", "zeros", "group_size", "groups",
+                  "bias", "out", "ws", "device", "stream"),
+    "gptq_dequantize": ("qweight", "k", "n", "scales", "zeros", "group_size", "groups", "out", "device", "stream"),
+    "rms_norm": ("x", "x_stride", "residual", "r_stride", "rows", "d", "weight", "w_dtype", "eps", "y",
+                 "residual_out", "device", "stream"),
+    "rope_cache_write": ("q", "k", "v", "qs", "ks", "vs", "b", "t", "hq", "hkv", "d", "cos", "sin", "cs_dtype",
+                         "cos_stride", "sin_stride", "pos", "pos_dev", "max_pos", "k_cache", "v_cache", "kcs", "vcs",
+                         "q_out", "device", "stream"),
+    "decode_attention": ("q", "q_sb", "q_sh", "b", "hq", "hkv", "d", "k_cache", "v_cache", "kcs", "vcs", "seq_len",
+                         "pos_dev", "scale", "out", "ws", "device", "stream"),
+    "silu_mul": ("gate", "up", "n", "out", "device", "stream"),
+}
+
+
+class CudaKernels:
+    """The ops on fp16 CUDA tensors through `_ext_cuda` (other dtypes use the torch reference)."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self._workspaces: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
+        # torch's own fast accessor of the current cudaStream_t (what its compiler uses), if this torch has it.
+        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+    def _stream(self, device: torch.device) -> int:
+        if self._raw_stream is not None:
+            return int(self._raw_stream(device.index))
+        return torch.cuda.current_stream(device).cuda_stream
+
+    def _workspace(self, device: torch.device, stream: int) -> Tuple[int, int, int, int]:
+        key = (device.index, stream)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            ws = (torch.empty(WS_FLOATS, dtype=torch.float32, device=device),
+                  torch.zeros(WS_COUNTERS, dtype=torch.int32, device=device))
+            self._workspaces[key] = ws
+        return ws[0].data_ptr(), WS_FLOATS, ws[1].data_ptr(), WS_COUNTERS
+
+    def _call(self, kernel: str, device: torch.device, **args: Any) -> None:
+        """Run `kernel` on `device`'s current stream (and workspace, for the kernels that take one)."""
+        stream = self._stream(device)
+        if "ws" in CUDA_SIGNATURES[kernel]:
+            args["ws"] = self._workspace(device, stream)
+        call(self.module, kernel, CUDA_SIGNATURES, device=device.index, stream=stream, **args)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if (x.dtype != torch.float16 or weight.dtype not in (torch.float16, torch.float32)
+                or weight.shape != x.shape[-1:] or weight.device != x.device):
+            return reference.rms_norm(x, weight, eps)
+        x2, w = rows(x), weight.contiguous()
+        y = out_tensor(out, x.shape, x)
+        self._call("rms_norm", x.device, x=x2.data_ptr(), x_stride=x2.stride(0), residual=0, r_stride=0,
+                   rows=x2.shape[0], d=x2.shape[1], weight=w.data_ptr(), w_dtype=DTYPE_CODES[w.dtype],
+                   eps=float(eps), y=y.data_ptr(), residual_out=0)
+        return y
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     out: Optional[torch.Tensor] = None, residual_out: Optional[torch.Tensor] = None
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+        if (x.dtype != torch.float16 or residual.dtype != x.dtype or residual.shape != x.shape
+                or weight.dtype not in (torch.float16, torch.float32) or weight.shape != x.shape[-1:]
+                or residual.device != x.device or weight.device != x.device):
+            return reference.add_rms_norm(x, residual, weight, eps)
+        x2, r2, w = rows(x), rows(residual), weight.contiguous()
+        y, ro = out_tensor(out, x.shape, x), out_tensor(residual_out, x.shape, x)
+        self._call("rms_norm", x.device, x=x2.data_ptr(), x_stride=x2.stride(0), residual=r2.data_ptr(),
+                   r_stride=r2.stride(0), rows=x2.shape[0], d=x2.shape[1], weight=w.data_ptr(),
+                   w_dtype=DTYPE_CODES[w.dtype], eps=float(eps), y=y.data_ptr(), residual_out=ro.data_ptr())
+        return y, ro
+
+    def gptq_dequantize(self, w: Any, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if w.scales.dtype != torch.float16 or w.zeros.dtype != torch.float16:
+            return reference.gptq_dequantize(w)
+        dev = w.qweight.device
+        check_gptq(w, dev)
+        y = out_tensor(out, (w.in_features, w.out_features), w.scales)
+        self._call("gptq_dequantize", dev, qweight=w.qweight.data_ptr(), k=w.in_features, n=w.out_features,
+                   scales=w.scales.data_ptr(), zeros=w.zeros.data_ptr(), group_size=w.group_size,
+                   groups=w.scales.shape[0], out=y.data_ptr())
+        return y
+
+    def gptq_matmul(self, x: torch.Tensor, w: Any, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if (x.dim() != 2 or x.shape[1] != w.in_features or x.dtype != torch.float16
+                or w.scales.dtype != torch.float16 or w.zeros.dtype != torch.float16
+                or (w.bias is not None and w.bias.dtype != torch.float16)):
+            return reference.gptq_matmul(x, w)
+        m, n = x.shape[0], w.out_features
+        dev = x.device
+        check_gptq(w, dev)
+        gemv_ok = (1 <= m <= GEMV_MAX_ROWS and w.group_size % 8 == 0 and n % 4 == 0
+                   and w.qweight.data_ptr() % 16 == 0 and w.scales.data_ptr() % 8 == 0
+                   and w.zeros.data_ptr() % 8 == 0)
+        if not gemv_ok:
+            y = self._dequant_matmul(x, w)
+            return y if out is None else out_tensor(out, y.shape, x).copy_(y)
+        x2 = last_contiguous(x)
+        y = out_tensor(out, (m, n), x)
+        self._call("gptq_gemv", dev, x=x2.data_ptr(), x_stride=x2.stride(0), rows=m, k=w.in_features,
+                   perm=0 if w.perm is None else w.perm.data_ptr(), qweight=w.qweight.data_ptr(), n=n,
+                   scales=w.scales.data_ptr(), zeros=w.zeros.data_ptr(), group_size=w.group_size,
+                   groups=w.scales.shape[0], bias=0 if w.bias is None else w.bias.data_ptr(), out=y.data_ptr())
+        return y
+
+    def _dequant_matmul(self, x: torch.Tensor, w: Any) -> torch.Tensor:
+        if w.perm is not None:
+            x = x.index_select(-1, w.perm)
+        y = torch.matmul(x, self.gptq_dequantize(w))
+        if w.bias is not None:
+            y = y + w.bias
+        return y
+
+    def rope_cache_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not self._rope_ok(q, k, v, cos, sin, k_cache, v_cache):
+            return reference.rope_cache_write(q, k, v, cos, sin, pos, k_cache, v_cache)
+        check_rope_range(pos, q.shape[1], k_cache.shape[2], cos.shape[0], sin.shape[0])
+        return self._rope(q, k, v, cos, sin, int(pos), 0, k_cache, v_cache, out)
+
+    def rope_cache_write_at(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One token at the position held by the device tensor `pos` (read by the kernel: graph-capturable)."""
+        if (not self._rope_ok(q, k, v, cos, sin, k_cache, v_cache) or q.shape[1] != 1 or pos.numel() != 1
+                or pos.dtype != torch.int64 or pos.device != q.device):
+            return reference.rope_cache_write_at(q, k, v, cos, sin, pos, k_cache, v_cache)
+        return self._rope(q, k, v, cos, sin, 0, pos.data_ptr(), k_cache, v_cache, out)
+
+    @staticmethod
+    def _rope_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        dev = q.device
+        return (rope_supported(q, k, v, cos, sin, k_cache, v_cache, CUDA_CODES)
+                and all(t.device == dev for t in (k, v, cos, sin, k_cache, v_cache)))
+
+    def _rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              pos: int, pos_dev: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              out: Optional[torch.Tensor]) -> torch.Tensor:
+        b, t, hq, d = q.shape
+        q, k, v = last_contiguous(q), last_contiguous(k), last_contiguous(v)
+        q_out = out_tensor(out, q.shape, q)
+        self._call("rope_cache_write", q.device, q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), qs=q.stride()[:3],
+                   ks=k.stride()[:3], vs=v.stride()[:3], b=b, t=t, hq=hq, hkv=k.shape[2], d=d, cos=cos.data_ptr(),
+                   sin=sin.data_ptr(), cs_dtype=DTYPE_CODES[cos.dtype], cos_stride=cos.stride(0),
+                   sin_stride=sin.stride(0), pos=pos, pos_dev=pos_dev,
+                   max_pos=min(k_cache.shape[2], cos.shape[0], sin.shape[0]), k_cache=k_cache.data_ptr(),
+                   v_cache=v_cache.data_ptr(), kcs=k_cache.stride()[:3], vcs=v_cache.stride()[:3],
+                   q_out=q_out.data_ptr())
+        return q_out
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int,
+                         scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not self._attention_ok(q, k_cache, v_cache, seq_len):
+            return reference.decode_attention(q, k_cache, v_cache, seq_len, scale)
+        return self._attention(q, k_cache, v_cache, seq_len, 0, scale, out)
+
+    def decode_attention_at(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                            length: int, scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Attention over cache[:, :, :length] with positions after the device tensor `pos` masked."""
+        if (not self._attention_ok(q, k_cache, v_cache, length) or pos.numel() != 1 or pos.dtype != torch.int64
+                or pos.device != q.device):
+            return reference.decode_attention_at(q, k_cache, v_cache, pos, length, scale)
+        return self._attention(q, k_cache, v_cache, length, pos.data_ptr(), scale, out)
+
+    @staticmethod
+    def _attention_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int) -> bool:
+        dev = q.device
+        return (attention_supported(q, k_cache, v_cache, seq_len, CUDA_CODES) and k_cache.device == dev
+                and v_cache.device == dev and _attention_layout_ok(q, k_cache, v_cache))
+
+    def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int, pos_dev: int,
+                   scale: float, out: Optional[torch.Tensor]) -> torch.Tensor:
+        q = last_contiguous(q)
+        y = out_tensor(out, q.shape, q)
+        b, hq, d = q.shape
+        self._call("decode_attention", q.device, q=q.data_ptr(), q_sb=q.stride(0), q_sh=q.stride(1), b=b, hq=hq,
+                   hkv=k_cache.shape[1], d=d, k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+                   kcs=k_cache.stride()[:3], vcs=v_cache.stride()[:3], seq_len=int(seq_len), pos_dev=pos_dev,
+                   scale=float(scale), out=y.data_ptr())
+        return y
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if gate.dtype != torch.float16 or up.dtype != gate.dtype or up.shape != gate.shape or up.device != gate.device:
+            return reference.silu_mul(gate, up)
+        g, u = gate.contiguous(), up.contiguous()
+        y = out_tensor(out, gate.shape, gate)
+        self._call("silu_mul", gate.device, gate=g.data_ptr(), up=u.data_ptr(), n=g.numel(), out=y.data_ptr())
+        return y
+
+
+def _attention_layout_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The CUDA kernel's 16-byte K-row and 4-byte V-row loads: head_dim % 8 == 0, <= 256, aligned strides."""
+    d = q.shape[-1]
+    ks, vs = k_cache.stride(), v_cache.stride()
+    return (d % 8 == 0 and d <= 256 and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 4 == 0
+            and all(s % 8 == 0 for s in ks[:3]) and all(s % 2 == 0 for s in vs[:3]))

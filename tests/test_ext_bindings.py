@@ -1,0 +1,126 @@
+"""The kernel wrappers call each compiled kernel by parameter name (ops/marshal.call); the names and their order
+must be the binding's own. Oracle: the lambda parameter lists in csrc/*/module_*.cpp, read from the source."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+
+from kobold_backend.ops.cpu_kernels import CPU_SIGNATURES, CpuKernels
+from kobold_backend.ops.cuda_kernels import CUDA_SIGNATURES, CudaKernels
+from kobold_backend.ops.marshal import call
+from tests.ext_helpers import make_gptq, random, rope_tables
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+BINDING = re.compile(r'm\.def\(\s*"(\w+)",\s*\[\]\(([^)]*)\)', re.S)
+
+
+def bound_parameters(source: Path) -> Dict[str, Tuple[str, ...]]:
+    """kernel name -> the parameter names of its pybind11 lambda, in order."""
+    out: Dict[str, Tuple[str, ...]] = {}
+    for name, params in BINDING.findall(source.read_text(encoding="utf-8")):
+        out[name] = tuple(p.split()[-1] for p in params.split(",") if p.strip())
+    return out
+
+
+@pytest.mark.parametrize("source, table", [("cpu/module_cpu.cpp", CPU_SIGNATURES),
+                                           ("cuda/module_cuda.cpp", CUDA_SIGNATURES)])
+def test_signature_tables_match_the_bindings(source: str, table: Dict[str, Tuple[str, ...]]) -> None:
+    bound = bound_parameters(CSRC / source)
+    assert set(table) <= set(bound)
+    for kernel, names in table.items():
+        assert names == bound[kernel], kernel
+
+
+def test_call_orders_named_arguments_and_refuses_wrong_names() -> None:
+    seen: List[Tuple[int, ...]] = []
+
+    class Module:
+        def kern(self, *args: int) -> None:
+            seen.append(args)
+
+    table = {"kern": ("a", "b", "c")}
+    call(Module(), "kern", table, c=3, a=1, b=2)
+    assert seen == [(1, 2, 3)]
+    with pytest.raises(TypeError, match="needs the argument 'b'"):
+        call(Module(), "kern", table, a=1, c=3)
+    with pytest.raises(TypeError, match="takes no argument 'd'"):
+        call(Module(), "kern", table, a=1, b=2, c=3, d=4)
+
+
+class Recorder:
+    """A stand-in for a compiled module: records each kernel's positional arguments by the binding's names."""
+
+    def __init__(self, signatures: Dict[str, Tuple[str, ...]]) -> None:
+        self.signatures = signatures
+        self.calls: Dict[str, Dict[str, Any]] = {}
+
+    def __getattr__(self, kernel: str) -> Any:
+        def record(*args: Any) -> None:
+            names = self.signatures[kernel]
+            assert len(args) == len(names), kernel
+            self.calls.setdefault(kernel, dict(zip(names, args)))
+
+        return record
+
+
+def test_cuda_wrappers_name_every_argument_of_their_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every CudaKernels op reaches its kernel with the binding's arguments (run on CPU fp16 tensors with the
+    stream and workspace stubbed, since no GPU is needed to check the marshalling)."""
+    module = Recorder(CUDA_SIGNATURES)
+    k = CudaKernels(module)
+    monkeypatch.setattr(k, "_stream", lambda device: 77)
+    monkeypatch.setattr(k, "_workspace", lambda device, stream: (1, 2, 3, 4))
+    half = torch.float16
+    x = random((2, 64), half, seed=0)
+    w = make_gptq(64, 32, 32, seed=1, dtype=half)
+    k.rms_norm(x, torch.ones(64, dtype=half), 1e-5)
+    k.gptq_matmul(x, w)
+    k.gptq_dequantize(w)
+    q = random((1, 3, 4, 8), half, seed=2)
+    kv = random((1, 3, 2, 8), half, seed=3)
+    cos, sin = (t.to(half) for t in rope_tables(16, 8))
+    kc, vc = torch.zeros(1, 2, 16, 8, dtype=half), torch.zeros(1, 2, 16, 8, dtype=half)
+    k.rope_cache_write(q, kv, kv, cos, sin, 5, kc, vc)
+    k.decode_attention(q[:, 0], kc, vc, 9, 0.25)
+    k.silu_mul(x, x)
+    assert sorted(module.calls) == sorted(CUDA_SIGNATURES)
+    c = module.calls
+    assert (c["rms_norm"]["rows"], c["rms_norm"]["d"], c["rms_norm"]["eps"]) == (2, 64, pytest.approx(1e-5))
+    assert c["rms_norm"]["residual"] == 0 and c["rms_norm"]["stream"] == 77
+    gemv = c["gptq_gemv"]
+    assert (gemv["rows"], gemv["k"], gemv["n"], gemv["group_size"], gemv["groups"]) == (2, 64, 32, 32, 2)
+    assert gemv["qweight"] == w.qweight.data_ptr() and gemv["ws"] == (1, 2, 3, 4)
+    rope = c["rope_cache_write"]
+    assert (rope["b"], rope["t"], rope["hq"], rope["hkv"], rope["d"], rope["pos"], rope["max_pos"]) == \
+        (1, 3, 4, 2, 8, 5, 16)
+    assert rope["kcs"] == kc.stride()[:3] and rope["pos_dev"] == 0
+    att = c["decode_attention"]
+    assert (att["hq"], att["hkv"], att["seq_len"], att["scale"], att["pos_dev"]) == (4, 2, 9, 0.25, 0)
+    assert c["silu_mul"]["n"] == x.numel()
+
+
+def test_cpu_wrappers_name_every_argument_of_their_kernel() -> None:
+    module = Recorder(CPU_SIGNATURES)
+    k = CpuKernels(module)
+    x = random((2, 64), torch.float32, seed=0)
+    w = make_gptq(64, 32, 32, seed=1)
+    k.rms_norm(x, torch.ones(64), 1e-5)
+    k.gptq_matmul(x, w)
+    k.gptq_dequantize(w)
+    q = random((1, 3, 4, 8), torch.float32, seed=2)
+    kv = random((1, 3, 2, 8), torch.float32, seed=3)
+    cos, sin = rope_tables(16, 8)
+    kc, vc = torch.zeros(1, 2, 16, 8), torch.zeros(1, 2, 16, 8)
+    k.rope_cache_write(q, kv, kv, cos.float(), sin.float(), 5, kc, vc)
+    k.decode_attention(q[:, 0], kc, vc, 9, 0.25)
+    k.silu_mul(x, x)
+    assert sorted(module.calls) == sorted(CPU_SIGNATURES)
+    c = module.calls
+    assert (c["gptq_gemv"]["rows"], c["gptq_gemv"]["out_dtype"], c["gptq_gemv"]["bias"]) == (2, 0, 0)
+    assert (c["rope_cache_write"]["pos"], c["decode_attention"]["seq_len"]) == (5, 9)
+    assert c["silu_mul"]["threads"] == torch.get_num_threads()
