@@ -26,7 +26,7 @@ from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.rope import cos_sin_tables
 from kobold_backend.engine.weights import WeightReader
 from kobold_backend.errors import ModelFormatError
-from kobold_backend.ops.gptq_weight import pack_int4_rows
+from kobold_backend.ops.gptq_weight import pack_rows
 from kobold_backend.ops.reference import rms_norm, rotate_half
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class QuantizedLinear:
         """qweight int32 [K/8, N], qzeros int32 [G, N/8] (v1: zero - 1), scales fp16 [G, N], g_idx int32 [K]."""
         k = self.q.shape[0]
         return {
-            "qweight": pack_int4_rows(self.q.cpu()),
+            "qweight": pack_rows(self.q.cpu()),
             "qzeros": pack_int4_cols(self.zeros.cpu() - 1),
             "scales": self.scales.cpu().contiguous(),
             "g_idx": (torch.arange(k) // self.group_size).to(torch.int32),

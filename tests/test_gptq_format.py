@@ -78,6 +78,7 @@ def test_engine_dequantizes_every_layer_like_the_packer(name: str, checkpoints: 
             n, k = packed.dequantized.shape
             assert (w.in_features, w.out_features) == (k, n)
             assert w.group_size == (k if quant.group_size == -1 else quant.group_size)
+            assert w.bits == quant.bits
             sorted_rows = ops.gptq_dequantize(w).float()
             if quant.act_order:
                 assert w.perm is not None

@@ -16,7 +16,7 @@ import torch
 from kobold_backend.engine.config import QuantConfig
 from kobold_backend.engine.weights import WeightReader
 from kobold_backend.errors import ModelFormatError
-from kobold_backend.ops.gptq_weight import GPTQWeight, pack_int4_rows
+from kobold_backend.ops.gptq_weight import GPTQWeight, pack_rows
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -54,7 +54,7 @@ def load_awq_linear(
     bias = reader.get(f"{prefix}.bias", (n,)) if f"{prefix}.bias" in reader else None
     q = unpack_awq_cols(qweight.to(device))
     return GPTQWeight(
-        qweight=pack_int4_rows(q).contiguous(),
+        qweight=pack_rows(q).contiguous(),
         scales=scales.to(device=device, dtype=dtype).contiguous(),
         zeros=unpack_awq_cols(qzeros.to(device)).to(dtype).contiguous(),
         perm=None,

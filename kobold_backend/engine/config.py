@@ -34,7 +34,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Quantization settings: `method` "gptq" (4-bit) or "awq" (AutoAWQ GEMM, 4-bit with zero points)."""
+    """Quantization settings: `method` "gptq" (4 or 8 bits) or "awq" (AutoAWQ GEMM, 4-bit with zero points)."""
 
     bits: int = 4
     group_size: int = -1
@@ -280,8 +280,8 @@ def _quant_config(raw: Dict[str, Any], folder: Optional[Path], where: str) -> Op
     if qc.get("is_marlin_format"):
         raise ModelFormatError(f"{where}: Marlin-format GPTQ checkpoints are not supported.")
     bits = int(qc.get("bits", qc.get("w_bit", 4)))
-    if bits != 4:
-        raise ModelFormatError(f"{where}: GPTQ with {bits} bits is not supported; only 4-bit GPTQ is.")
+    if bits not in (4, 8):
+        raise ModelFormatError(f"{where}: GPTQ with {bits} bits is not supported (supported: 4 and 8 bits).")
     group = int(qc.get("group_size", qc.get("q_group_size", -1)))
     if group == 0 or group < -1:
         raise ModelFormatError(f"{where}: GPTQ group_size {group} is invalid (use -1 or a positive size).")

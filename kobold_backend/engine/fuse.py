@@ -30,7 +30,7 @@ def concat_outputs(weights: Sequence[Weight]) -> Optional[Weight]:
         return None
     gw = [w for w in weights if isinstance(w, GPTQWeight)]
     same = all(
-        w.group_size == first.group_size and w.in_features == first.in_features
+        w.group_size == first.group_size and w.in_features == first.in_features and w.bits == first.bits
         and (w.bias is None) == (first.bias is None) for w in gw
     )
     perms = [w.perm for w in gw]
@@ -49,6 +49,7 @@ def concat_outputs(weights: Sequence[Weight]) -> Optional[Weight]:
         in_features=first.in_features,
         out_features=sum(w.out_features for w in gw),
         bias=None if first.bias is None else torch.cat([w.bias for w in gw]),  # type: ignore[misc]
+        bits=first.bits,
     )
 
 

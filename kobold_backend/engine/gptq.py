@@ -1,4 +1,4 @@
-"""GPTQ 4-bit linear layers normalised once at load: true zeros, act-order rows sorted by group.
+"""GPTQ 4- and 8-bit linear layers normalised once at load: true zeros, act-order rows sorted by group.
 
 After normalisation every kernel sees one layout, whatever the checkpoint's zero format
 (v1 "zero - 1" or gptq_v2), symmetry, group size or act-order were.
@@ -13,8 +13,8 @@ import torch
 from kobold_backend.engine.config import QuantConfig
 from kobold_backend.engine.weights import WeightReader
 from kobold_backend.errors import ModelFormatError
-from kobold_backend.ops.gptq_weight import GPTQWeight, pack_int4_rows
-from kobold_backend.ops.reference import unpack_int4_cols, unpack_int4_rows
+from kobold_backend.ops.gptq_weight import GPTQWeight, pack_rows
+from kobold_backend.ops.reference import unpack_cols, unpack_rows
 
 
 def load_gptq_linear(
@@ -27,10 +27,11 @@ def load_gptq_linear(
     device: torch.device | str,
 ) -> GPTQWeight:
     """Read `prefix.{qweight,qzeros,scales,g_idx,bias}` and normalise them (see module docstring)."""
-    k, n = in_features, out_features
+    k, n, bits = in_features, out_features, quant.bits
+    per = 32 // bits  # values per int32 word
     if k % 8 or n % 8:
         raise ModelFormatError(f"{prefix}: GPTQ needs in/out features divisible by 8, found {k}x{n}.")
-    qweight = reader.get(f"{prefix}.qweight", (k // 8, n))
+    qweight = reader.get(f"{prefix}.qweight", (k // per, n))
     if qweight.dtype != torch.int32:
         raise ModelFormatError(f"{prefix}.qweight has dtype {qweight.dtype}; GPTQ stores int32.")
     zshape = reader.shape(f"{prefix}.qzeros")
@@ -43,7 +44,7 @@ def load_gptq_linear(
             f"{prefix}.qzeros has {groups} groups but in_features {k} with group size {group_size} "
             f"needs {-(-k // group_size)}."
         )
-    qzeros = reader.get(f"{prefix}.qzeros", (groups, n // 8))
+    qzeros = reader.get(f"{prefix}.qzeros", (groups, n // per))
     scales = reader.get(f"{prefix}.scales", (groups, n))
     g_idx = reader.get(f"{prefix}.g_idx", (k,)) if f"{prefix}.g_idx" in reader else None
     bias = reader.get(f"{prefix}.bias", (n,)) if f"{prefix}.bias" in reader else None
@@ -51,13 +52,13 @@ def load_gptq_linear(
         bias = None
 
     qweight = qweight.to(device)
-    zeros = unpack_int4_cols(qzeros.to(device))
+    zeros = unpack_cols(qzeros.to(device), bits)
     if quant.checkpoint_format == "gptq":
         zeros = zeros + 1  # v1 checkpoints store zero - 1
     perm = _act_order_perm(g_idx, k, group_size, groups, prefix)
     if perm is not None:
         perm = perm.to(device)
-        qweight = pack_int4_rows(unpack_int4_rows(qweight).index_select(0, perm))
+        qweight = pack_rows(unpack_rows(qweight, bits).index_select(0, perm), bits)
     return GPTQWeight(
         qweight=qweight.contiguous(),
         scales=scales.to(device=device, dtype=dtype).contiguous(),
@@ -67,6 +68,7 @@ def load_gptq_linear(
         in_features=k,
         out_features=n,
         bias=None if bias is None else bias.to(device=device, dtype=dtype),
+        bits=bits,
     )
 
 

@@ -109,7 +109,8 @@ class Layer:
             cols = slice(start, end)
             return GPTQWeight(fused.qweight[:, cols].contiguous(), fused.scales[:, cols].contiguous(),
                               fused.zeros[:, cols].contiguous(), fused.perm, fused.group_size, fused.in_features,
-                              end - start, None if fused.bias is None else fused.bias[cols].contiguous())
+                              end - start, None if fused.bias is None else fused.bias[cols].contiguous(),
+                              fused.bits)
         if isinstance(fused, GGMLWeight):
             return GGMLWeight(fused.data[start:end], fused.type_name, fused.in_features, end - start,
                               None if fused.bias is None else fused.bias[start:end])

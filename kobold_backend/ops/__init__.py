@@ -55,12 +55,12 @@ def add_rms_norm(
 
 
 def gptq_matmul(x: torch.Tensor, w: GPTQWeight) -> torch.Tensor:
-    k = _kernels(x)
+    k = _kernels(x) if w.bits == 4 else None  # the kernels read 4-bit words
     return reference.gptq_matmul(x, w) if k is None else k.gptq_matmul(x, w)
 
 
 def gptq_dequantize(w: GPTQWeight) -> torch.Tensor:
-    k = _kernels(w.qweight)
+    k = _kernels(w.qweight) if w.bits == 4 else None
     return reference.gptq_dequantize(w) if k is None else k.gptq_dequantize(w)
 
 

@@ -1,4 +1,4 @@
-"""GPTQWeight: the one in-memory layout of a 4-bit quantized linear that every GPTQ op takes.
+"""GPTQWeight: the one in-memory layout of a 4- or 8-bit quantized linear that every GPTQ op takes.
 
 The engine's loader (kobold_backend/engine/gptq.py) normalises any checkpoint to it; the ops (reference and
 native kernels) read it. It lives here, with the ops, so that ops never import the engine.
@@ -24,6 +24,7 @@ class GPTQWeight:
     in_features: int
     out_features: int
     bias: Optional[torch.Tensor] = None
+    bits: int = 4  # 4: the native kernels' format; 8: GPTQ 8-bit, computed by the torch definitions
 
     def to(self, device: torch.device | str) -> GPTQWeight:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -36,6 +37,7 @@ class GPTQWeight:
             in_features=self.in_features,
             out_features=self.out_features,
             bias=move(self.bias),
+            bits=self.bits,
         )
 
     @property
@@ -44,11 +46,12 @@ class GPTQWeight:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
-    """[K, N] values 0..15 -> [K/8, N] int32 (row 8r+j into bits 4j..4j+3)."""
+def pack_rows(q: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """[K, N] values 0..2^bits-1 -> [K*bits/32, N] int32 (row (32/bits)r+j into bits bits*j.. of word r)."""
+    per = 32 // bits
     k, n = q.shape
-    q = q.to(torch.int32).view(k // 8, 8, n)
-    out = torch.zeros(k // 8, n, dtype=torch.int32, device=q.device)
-    for j in range(8):
-        out |= q[:, j, :] << (4 * j)
+    q = q.to(torch.int32).view(k // per, per, n)
+    out = torch.zeros(k // per, n, dtype=torch.int32, device=q.device)
+    for j in range(per):
+        out |= q[:, j, :] << (bits * j)
     return out

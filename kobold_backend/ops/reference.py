@@ -25,23 +25,25 @@ def add_rms_norm(
     return rms_norm(residual_out, weight, eps), residual_out
 
 
-def unpack_int4_rows(qweight: torch.Tensor) -> torch.Tensor:
-    """[K/8, N] int32 -> [K, N] int32 holding values 0..15 (row 8r+j from bits 4j..4j+3)."""
-    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
-    q = (qweight.unsqueeze(1) >> shifts.view(1, 8, 1)) & 0xF
-    return q.reshape(qweight.shape[0] * 8, qweight.shape[1])
+def unpack_rows(qweight: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """[K*bits/32, N] int32 -> [K, N] int32 (row (32/bits)r+j from bits bits*j.. of word r)."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, device=qweight.device, dtype=torch.int32)
+    q = (qweight.unsqueeze(1) >> shifts.view(1, per, 1)) & ((1 << bits) - 1)
+    return q.reshape(qweight.shape[0] * per, qweight.shape[1])
 
 
-def unpack_int4_cols(qzeros: torch.Tensor) -> torch.Tensor:
-    """[G, N/8] int32 -> [G, N] int32 holding values 0..15 (column 8c+j from bits 4j..4j+3)."""
-    shifts = torch.arange(0, 32, 4, device=qzeros.device, dtype=torch.int32)
-    z = (qzeros.unsqueeze(2) >> shifts.view(1, 1, 8)) & 0xF
-    return z.reshape(qzeros.shape[0], qzeros.shape[1] * 8)
+def unpack_cols(qzeros: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """[G, N*bits/32] int32 -> [G, N] int32 (column (32/bits)c+j from bits bits*j.. of word c)."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, device=qzeros.device, dtype=torch.int32)
+    z = (qzeros.unsqueeze(2) >> shifts.view(1, 1, per)) & ((1 << bits) - 1)
+    return z.reshape(qzeros.shape[0], qzeros.shape[1] * per)
 
 
 def gptq_dequantize(w: GPTQWeight) -> torch.Tensor:
     """[K, N] weights in sorted row order, in the dtype of `w.scales`."""
-    q = unpack_int4_rows(w.qweight)[: w.in_features]
+    q = unpack_rows(w.qweight, w.bits)[: w.in_features]
     groups = torch.arange(w.in_features, device=q.device) // w.group_size
     return (q.to(w.scales.dtype) - w.zeros[groups]) * w.scales[groups]
 
