@@ -310,3 +310,55 @@ def test_gpu_graph_decode_matches_transformers(name: str, archs, hf) -> None:
         ref, past = hf_step(ref_model, token, past)
         errs.append(row_rel_err(got.float().cpu(), ref[0, -1]))
     assert max(errs) < GPU_RTOL, f"{name}: max relative logit error {max(errs):.3e}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every host runs every architecture with no code of its own: United's folder check, the server's model report,
+# the generator, the split planner.
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_united_accepts_the_folder_and_the_planner_counts_it(name: str, archs, ours) -> None:
+    from kobold_backend.engine.config import ModelConfig
+    from kobold_backend.engine.device_map import Sizes, checkpoint_shapes, config_shapes, plan_device_map
+    from kobold_backend.host.backend import check_model_folder
+
+    built, lm = archs.get(name), ours(name)
+    assert check_model_folder(built.path) is None
+    shapes = checkpoint_shapes(built.path)
+    assert config_shapes(ModelConfig.from_dir(built.path)) == shapes
+    dm = plan_device_map(built.path, None, MAX_SEQ, layer_counts={"cpu": lm.config.num_layers})
+    (usage,) = dm.usage
+    assert usage.weight_bytes == lm.model.nbytes
+    assert usage.cache_bytes == lm.model.new_cache().nbytes
+    sizes = Sizes(lm.config, shapes, MAX_SEQ)
+    for i, layer in enumerate(lm.model.layers):
+        held = [w for w in layer.tensors()]
+        assert sizes.layer(i, 4) == sum(w.nbytes if isinstance(w, GPTQWeight) else w.numel() * w.element_size()
+                                        for w in held)
+
+
+def test_server_names_the_architecture(archs) -> None:
+    from tests.server_helpers import make_app
+
+    app = make_app(archs.get("phi3").path)
+    try:
+        c = app.test_client()
+        assert c.get("/api/v1/model").get_json() == {"result": "kobold_backend/phi3", "architecture": "Phi3ForCausalLM"}
+        assert c.get("/ui/status").get_json()["architecture"] == "Phi3ForCausalLM"
+    finally:
+        app.extensions["kobold_backend"].close()
+
+
+@pytest.mark.parametrize("name", ["qwen2_swa", "qwen3_gptq", "phi3_longrope"])
+def test_generator_greedy_matches_transformers(name: str, archs, ours, hf) -> None:
+    """The engine's Generator (lane, chunked prefill, sampler at temperature 0) gives transformers' greedy tokens."""
+    from kobold_backend.engine.generator import GenerationRequest, Generator
+    from kobold_backend.engine.sampling import SamplerSettings
+
+    built, lm = archs.get(name), ours(name)
+    prompt = prompt_ids(built, 20, seed=15)
+    out = Generator(lm.model, lm.tokenizer).generate(
+        GenerationRequest(prompt[0].tolist(), 24, SamplerSettings(temperature=0), ban_eos=True))
+    _, _, ref_t, _ = greedy_both(lm, hf(name), prompt, 24)
+    assert out.token_ids == ref_t
