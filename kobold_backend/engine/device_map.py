@@ -139,8 +139,9 @@ class Sizes:
         return 2 * self.batch_size * c.num_kv_heads * self.max_seq_len * c.head_dim * elem
 
     def rope(self, elem: int) -> int:
-        """The cos and sin tables, once per device holding layers."""
-        return 2 * self.max_seq_len * self.config.head_dim * elem
+        """The cos and sin tables, once per device holding layers and per distinct RoPE (Gemma 3 has two)."""
+        tables = len(set(self.config.features.ropes)) if self.config.features is not None else 1
+        return 2 * self.max_seq_len * self.config.head_dim * elem * tables
 
     def embed(self, elem: int) -> int:
         return _numel(self._shape("model.embed_tokens.weight")) * elem
