@@ -19,6 +19,7 @@ from kobold_backend.engine.loader import load_model
 from kobold_backend.engine.tokenizer import load_tokenizer
 from kobold_backend.errors import ModelFormatError
 from kobold_backend.ops.ggml import GGMLWeight
+from tests.fixtures.arch_checkpoints import ARCH_BY_NAME, build_arch_checkpoint
 from tests.fixtures.checkpoints import CheckpointSpec, build_checkpoint
 from tests.fixtures.gguf_files import Q4_K_M, write_gguf
 from tests.fixtures.hf_oracle import hf_load, hf_step, row_rel_err
@@ -75,6 +76,17 @@ def _check_against_transformers(gguf_path: Path, oracle: Path) -> None:
 def test_gguf_logits_match_transformers(plan: str, spm_checkpoint: Path, tmp_path: Path) -> None:
     oracle = write_gguf(spm_checkpoint, tmp_path, PLANS[plan])
     _check_against_transformers(tmp_path / "model.gguf", oracle)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_gguf_architectures_match_transformers(arch: str, tmp_path: Path) -> None:
+    """llama.cpp's qwen2 (q/k/v biases, tied embeddings) and qwen3 (q/k norms, head_dim 32) files: no Q/K
+    permutation, biases and norms stored as F32."""
+    hf = build_arch_checkpoint(ARCH_BY_NAME[arch], tmp_path / "hf").path
+    oracle = write_gguf(hf, tmp_path / "gguf", {"attn_v": "Q5_1", "ffn_down": "Q8_0", "*": "Q4_0"})
+    lm = load_model(tmp_path / "gguf" / "model.gguf", device="cpu")
+    assert lm.config.model_type == arch
+    _check_against_transformers(tmp_path / "gguf" / "model.gguf", oracle)
 
 
 def test_gguf_keeps_block_formats_and_config(spm_checkpoint: Path, tmp_path: Path) -> None:

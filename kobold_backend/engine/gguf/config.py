@@ -21,7 +21,9 @@ class GGUFArchitecture:
 
 
 ARCHITECTURES: Dict[str, GGUFArchitecture] = {
-    "llama": GGUFArchitecture("llama", "LlamaForCausalLM", permuted_qk=True),
+    "llama": GGUFArchitecture("llama", "LlamaForCausalLM", permuted_qk=True),  # also Mistral's files
+    "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM", permuted_qk=False),
+    "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM", permuted_qk=False),
 }
 
 
