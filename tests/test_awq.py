@@ -53,6 +53,8 @@ def test_awq_model_matches_transformers(tmp_path: Path) -> None:
     oracle = write_awq(hf, tmp_path / "awq", group=32)
     lm = load_model(tmp_path / "awq", device="cpu")
     assert lm.config.quant is not None and lm.config.quant.method == "awq"
+    # in memory on the CPU: 4 bits a weight plus a float32 scale and a float32 zero per group of 32
+    assert str(lm.weight_format) == "AWQ 4-bit g32, 6.00 bpw"
     ref_model = hf_load(oracle)
     ids = torch.tensor([[1, 15, 300, 7, 42, 99, 5, 250]])
     ours = lm.model.forward(ids, lm.model.new_cache(64), last_only=False)

@@ -152,3 +152,19 @@ def test_unsupported_tensor_type_is_one_sentence(spm_checkpoint: Path, tmp_path:
     path.write_bytes(bytes(raw))
     with pytest.raises(ModelFormatError, match=r"blk\.0\.ffn_up\.weight.*Q2_K.*supported: .*Q4_K"):
         load_model(path, device="cpu")
+
+
+def test_weight_format_names_types_and_bits(spm_checkpoint: Path, tmp_path: Path) -> None:
+    write_gguf(spm_checkpoint, tmp_path, Q4_K_M)
+    lm = load_model(tmp_path / "model.gguf", device="cpu")
+    fmt = lm.weight_format
+    assert fmt is not None and fmt.name == "GGUF"
+    assert set(fmt.detail.split("+")) == {"Q4_K", "Q6_K"}
+    # Q4_K is 4.5 bits a weight, Q6_K 6.5625; v (128 of 1024 qkv rows) and down (1/3 of the MLP) are Q6_K.
+    h, kv, inter = SPM_SPEC.hidden_size, SPM_SPEC.num_kv_heads * SPM_SPEC.head_dim, SPM_SPEC.intermediate_size
+    q6 = kv * h + inter * h
+    q4 = (h * h + kv * h + h * h) + 2 * inter * h
+    assert fmt.bits_per_weight == pytest.approx((4.5 * q4 + 6.5625 * q6) / (q4 + q6))
+    assert str(fmt).startswith("GGUF Q4_K+Q6_K, ") and str(fmt).endswith(" bpw")
+    dense = load_model(spm_checkpoint, device="cpu")
+    assert dense.weight_format is not None and str(dense.weight_format) == "float32, 32.00 bpw"

@@ -19,6 +19,7 @@ from kobold_backend.engine.gptq import load_gptq_linear
 from kobold_backend.engine.model import Layer, Model, Weight
 from kobold_backend.engine.rope import cos_sin_tables
 from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
+from kobold_backend.engine.weight_format import WeightFormat, describe
 from kobold_backend.engine.weights import WeightReader
 from kobold_backend.errors import ModelFormatError
 from kobold_backend.ops.ggml import GGMLWeight
@@ -42,6 +43,7 @@ class LoadedModel:
     config: ModelConfig
     path: Path
     name: str
+    weight_format: Optional[WeightFormat] = None
 
     def unload(self) -> None:
         devices = {layer.device for layer in self.model.layers} | {self.model.device}
@@ -111,10 +113,11 @@ def load_model(
     with reader:
         model = _build(reader, config, main, per_layer, compute_dtype, seq_len, embed_on_cpu,
                        rope_alpha, compress_pos_emb, progress)
-    log.info("loaded %s: %d layers, %.1f MB of weights on %s", folder.name, config.num_layers,
-             model.nbytes / 1e6, main)
+    fmt = describe(config, model.layers)
+    log.info("loaded %s (%s, %s): %d layers, %.1f MB of weights on %s", folder.name, config.architecture, fmt,
+             config.num_layers, model.nbytes / 1e6, main)
     return LoadedModel(model=model, tokenizer=tokenizer,  # type: ignore[arg-type]
-                       config=config, path=folder, name=folder.name)
+                       config=config, path=folder, name=folder.name, weight_format=fmt)
 
 
 def _dtype_for(device: torch.device, compute: torch.dtype) -> torch.dtype:
