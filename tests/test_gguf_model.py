@@ -31,7 +31,6 @@ BPE_SPEC = CheckpointSpec("gguf_llama_bpe", seed=32, hidden_size=256, intermedia
                           num_kv_heads=4, head_dim=64, dtype="float32", tokenizer="bpe", rope_theta=500000.0)
 PLANS: Dict[str, Dict[str, str]] = {
     "Q4_K_M": Q4_K_M,
-    "Q8_0": {"*": "Q8_0"},
     "Q5_K": {"token_embd": "Q5_K", "*": "Q5_K", "output": "Q6_K"},
     "legacy": {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q5_0", "attn_output": "Q5_1", "ffn_gate": "Q4_0",
                "ffn_up": "Q8_0", "ffn_down": "Q5_0", "token_embd": "F16", "output": "Q8_0", "*": "Q4_0"},
@@ -72,7 +71,9 @@ def _check_against_transformers(gguf_path: Path, oracle: Path) -> None:
     assert ours_tokens == ref_tokens
 
 
-@pytest.mark.parametrize("plan", list(PLANS))
+# Q5_K's whole-model run adds little to its bit-exact block test and costs a minute on the CI machine (the torch
+# path dequantizes every linear on every call); Q8_0 runs whole in the vocabulary test below.
+@pytest.mark.parametrize("plan", ["Q4_K_M", "legacy", "float"])
 def test_gguf_logits_match_transformers(plan: str, spm_checkpoint: Path, tmp_path: Path) -> None:
     oracle = write_gguf(spm_checkpoint, tmp_path, PLANS[plan])
     _check_against_transformers(tmp_path / "model.gguf", oracle)
