@@ -31,7 +31,6 @@ BPE_SPEC = CheckpointSpec("gguf_llama_bpe", seed=32, hidden_size=256, intermedia
                           num_kv_heads=4, head_dim=64, dtype="float32", tokenizer="bpe", rope_theta=500000.0)
 PLANS: Dict[str, Dict[str, str]] = {
     "Q4_K_M": Q4_K_M,
-    "Q5_K": {"token_embd": "Q5_K", "*": "Q5_K", "output": "Q6_K"},
     "legacy": {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q5_0", "attn_output": "Q5_1", "ffn_gate": "Q4_0",
                "ffn_up": "Q8_0", "ffn_down": "Q5_0", "token_embd": "F16", "output": "Q8_0", "*": "Q4_0"},
     "float": {"token_embd": "BF16", "output": "F32", "*": "F16"},
