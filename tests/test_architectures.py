@@ -8,6 +8,7 @@ loads the packer's dequantized weights, so both sides hold the same numbers and 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Callable, Dict, List
@@ -362,3 +363,48 @@ def test_generator_greedy_matches_transformers(name: str, archs, ours, hf) -> No
         GenerationRequest(prompt[0].tolist(), 24, SamplerSettings(temperature=0), ban_eos=True))
     _, _, ref_t, _ = greedy_both(lm, hf(name), prompt, 24)
     assert out.token_ids == ref_t
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configs this engine cannot run: one precise message each, before any weight is read.
+
+LONG_SHORT = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+QWEN2 = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=160,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+PHI3 = dict(QWEN2, model_type="phi3", architectures=["Phi3ForCausalLM"], max_position_embeddings=512,
+            original_max_position_embeddings=128)
+
+
+@pytest.mark.parametrize("raw, words", [
+    (dict(QWEN2, architectures=["LlamaForCausalLM"]), ["LlamaForCausalLM", "qwen2"]),
+    (dict(QWEN2, model_type="qwen9"), ["qwen9", "qwen2", "phi3"]),
+    (dict(QWEN2, hidden_act="relu"), ["hidden_act", "relu"]),
+    (dict(QWEN2, use_sliding_window=True, sliding_window=-4), ["sliding_window", "-4"]),
+    (dict(QWEN2, use_sliding_window=True, sliding_window=8, max_window_layers="x"), ["max_window_layers"]),
+    (dict(QWEN2, layer_types=["full_attention"]), ["layer_types", "2"]),
+    (dict(QWEN2, layer_types=["full_attention", "chunked_attention"]), ["chunked_attention"]),
+    (dict(PHI3, partial_rotary_factor=0.75), ["partial_rotary_factor"]),
+    (dict(PHI3, rope_scaling=dict(LONG_SHORT, type="longrope", short_factor=[1.0] * 3)), ["short_factor", "8"]),
+    (dict(PHI3, rope_scaling={"type": "yarn", "factor": 4.0}), ["yarn"]),
+])
+def test_unsupported_configs_name_their_problem(raw: dict, words: List[str]) -> None:
+    from kobold_backend.engine.config import ModelConfig
+    from kobold_backend.errors import ModelFormatError
+
+    with pytest.raises(ModelFormatError) as info:
+        ModelConfig.from_dict(raw)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_longrope_reads_hub_and_transformers5_spellings() -> None:
+    """'su' and 'longrope', under rope_scaling (the Hub) or rope_parameters (what transformers 5 writes)."""
+    from kobold_backend.engine.config import ModelConfig
+
+    for key, kind in (("rope_scaling", "su"), ("rope_scaling", "longrope"), ("rope_parameters", "longrope")):
+        cfg = ModelConfig.from_dict(dict(PHI3, **{key: dict(LONG_SHORT, type=kind, rope_theta=5000.0)}))
+        scaling = cfg.rope_scaling
+        assert scaling is not None and scaling.rope_type == "longrope"
+        assert scaling.original_max_position_embeddings == 128 and scaling.factor == 4.0
+        assert abs(scaling.attention_factor - (1 + math.log(4) / math.log(128)) ** 0.5) < 1e-12
+        assert cfg.rope_theta == (5000.0 if key == "rope_parameters" else 10000.0)
