@@ -313,6 +313,21 @@ def test_gpu_graph_decode_matches_transformers(name: str, archs, hf) -> None:
     assert max(errs) < GPU_RTOL, f"{name}: max relative logit error {max(errs):.3e}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen2_gptq", "phi3_gptq", "qwen2_swa"])
+def test_gpu_layer_split_matches_transformers(name: str, archs, hf) -> None:
+    """Layer 0 on the GPU (fp16), layer 1 and the head's inputs crossing to the CPU (fp32): no per-arch code."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    built = archs.get(name)
+    lm = load_model(built.path, device="cuda", dtype="float16", max_seq_len=MAX_SEQ, layer_devices=["cuda", "cpu"])
+    prompt = prompt_ids(built, 30, seed=16)
+    got = lm.model.forward(prompt.cuda(), lm.model.new_cache(), last_only=False)
+    with torch.no_grad():
+        ref = hf(name)(prompt).logits
+    assert row_rel_err(got.cpu(), ref) < GPU_RTOL
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Every host runs every architecture with no code of its own: United's folder check, the server's model report,
 # the generator, the split planner.
