@@ -423,3 +423,46 @@ def test_longrope_reads_hub_and_transformers5_spellings() -> None:
         assert scaling.original_max_position_embeddings == 128 and scaling.factor == 4.0
         assert abs(scaling.attention_factor - (1 + math.log(4) / math.log(128)) ** 0.5) < 1e-12
         assert cfg.rope_theta == (5000.0 if key == "rope_parameters" else 10000.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The attention ops' window and soft-cap arguments (Gemma's hooks too) against the formula written out per query.
+
+
+def _direct_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: List[int], scale: float,
+                      window, softcap) -> torch.Tensor:
+    """q [Hq, D] rows at `positions`; k, v [Hkv, S, D]; float64, one query and one head at a time."""
+    hq, hkv = q.shape[1], k.shape[0]
+    out = torch.zeros(len(positions), hq, q.shape[-1], dtype=torch.float64)
+    for r, i in enumerate(positions):
+        lo = 0 if window is None else max(0, i - window + 1)
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            s = (k[kv, lo : i + 1].double() @ q[r, h].double()) * scale
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            out[r, h] = torch.softmax(s, 0) @ v[kv, lo : i + 1].double()
+    return out
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 7.0), (4, 3.0), (64, None)])
+def test_attention_ops_window_and_softcap(window, softcap) -> None:
+    from kobold_backend import ops
+
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, s = 4, 2, 16, 40
+    k_cache = torch.randn(1, hkv, s, d, generator=g)
+    v_cache = torch.randn(1, hkv, s, d, generator=g)
+    q = 2.0 * torch.randn(1, 12, hq, d, generator=g)
+    scale = d ** -0.5
+    for pos in (0, 9):  # a first chunk and a later one
+        got = ops.attention(q, k_cache, v_cache, pos, scale, window=window, softcap=softcap)[0]
+        want = _direct_attention(q[0], k_cache[0], v_cache[0], list(range(pos, pos + 12)), scale, window, softcap)
+        assert (got.double() - want).abs().max() < 1e-5
+    for n in (3, 20, 40):
+        want = _direct_attention(q[0, :1], k_cache[0], v_cache[0], [n - 1], scale, window, softcap)[0]
+        got = ops.decode_attention(q[:, 0], k_cache, v_cache, n, scale, window=window, softcap=softcap)[0]
+        assert (got.double() - want).abs().max() < 1e-5
+        at = ops.decode_attention_at(q[:, 0], k_cache, v_cache, torch.tensor([n - 1]), s, scale,
+                                     window=window, softcap=softcap)[0]
+        assert (at.double() - want).abs().max() < 1e-5
