@@ -338,9 +338,12 @@ def test_united_accepts_the_folder_and_the_planner_counts_it(name: str, archs, o
     from kobold_backend.engine.config import ModelConfig
     from kobold_backend.engine.device_map import Sizes, checkpoint_shapes, config_shapes, plan_device_map
     from kobold_backend.host.backend import check_model_folder
+    from kobold_backend.host.parameters import requested_parameters
 
     built, lm = archs.get(name), ours(name)
     assert check_model_folder(built.path) is None
+    dialog = {p["id"]: p for p in requested_parameters(built.path, {}, gpus=[])}
+    assert dialog["valid_layers"]["label"].endswith(f"/{lm.config.num_layers}") and "CPU_Layers" in dialog
     shapes = checkpoint_shapes(built.path)
     assert config_shapes(ModelConfig.from_dir(built.path)) == shapes
     dm = plan_device_map(built.path, None, MAX_SEQ, layer_counts={"cpu": lm.config.num_layers})
