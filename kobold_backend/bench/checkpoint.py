@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from safetensors.torch import save_file
@@ -81,8 +81,10 @@ def write_synthetic_gptq(
     folder: Path, shape: Shape, group_size: int = 128, act_order: bool = False, seed: int = 0,
     device: Optional[str] = None, max_position_embeddings: int = 8192,
 ) -> Path:
-    """Write config.json, quantize_config.json and model.safetensors: every tensor the architecture's layout
-    names (engine/device_map.config_shapes), GPTQ linears, norms of ones, small embeddings and biases."""
+    """Write config.json, quantize_config.json and safetensors shards with their index: every tensor the
+    architecture's layout names (engine/device_map.config_shapes) as GPTQ linears, norms of ones, small
+    embeddings and biases. One shard per layer (plus one for the embeddings and head), drawn on the GPU when
+    there is one, so no more than one layer is ever held in host memory."""
     from kobold_backend.engine.config import ModelConfig
     from kobold_backend.engine.device_map import config_shapes
 
@@ -93,18 +95,31 @@ def write_synthetic_gptq(
     quant = {"bits": 4, "group_size": group_size, "desc_act": act_order, "sym": True, "quant_method": "gptq",
              "checkpoint_format": "gptq"}
     shapes = config_shapes(ModelConfig.from_dict(dict(config, quantization_config=quant)))
-    tensors: Dict[str, torch.Tensor] = {}
-    for name, dims in shapes.items():
-        if name.endswith(".qweight"):
-            prefix = name[: -len(".qweight")]
-            k, n = dims[0] * 8, dims[1]
-            for suffix, t in _gptq_tensors(k, n, group_size, act_order, gen, dev).items():
-                tensors[f"{prefix}.{suffix}"] = t
-        elif name.endswith(("norm.weight", "layernorm.weight")):
-            tensors[name] = torch.ones(dims, dtype=torch.float16)
-        elif name.endswith((".weight", ".bias")):
-            tensors[name] = (torch.randn(dims, generator=gen, device=dev) * 0.02).half()
-    save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    groups: List[List[str]] = [[] for _ in range(shape.layers + 1)]
+    for name in shapes:
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        groups[0 if layer is None else int(layer) + 1].append(name)
+    weight_map: Dict[str, str] = {}
+    total = 0
+    for index, names in enumerate(groups):
+        tensors: Dict[str, torch.Tensor] = {}
+        for name in names:
+            dims = shapes[name]
+            if name.endswith(".qweight"):
+                prefix = name[: -len(".qweight")]
+                for suffix, t in _gptq_tensors(dims[0] * 8, dims[1], group_size, act_order, gen, dev).items():
+                    tensors[f"{prefix}.{suffix}"] = t
+            elif name.endswith(("norm.weight", "layernorm.weight")):
+                tensors[name] = torch.ones(dims, dtype=torch.float16)
+            elif name.endswith((".weight", ".bias")):
+                tensors[name] = (torch.randn(dims, generator=gen, device=dev) * 0.02).half()
+        file = f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
+        host = {k: v.cpu().contiguous() for k, v in tensors.items()}
+        save_file(host, str(folder / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in host})
+        total += sum(t.numel() * t.element_size() for t in host.values())
+    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=1))
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     (folder / "quantize_config.json").write_text(json.dumps(quant, indent=1))
     return folder
