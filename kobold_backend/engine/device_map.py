@@ -57,7 +57,7 @@ def config_shapes(config: ModelConfig) -> Shapes:
         layout = config.description.layout(config, i)
         for ckpt, size in layout.norms.values():
             shapes[f"{p}.{ckpt}.weight"] = (size,)
-        for name, lin in layout.linears.items():
+        for name, lin in {**layout.linears, **layout.mlp_linears}.items():
             k, n = lin.in_features, lin.out_features
             if name in layout.biased:
                 shapes[f"{p}.{lin.prefix}.bias"] = (n,)

@@ -8,7 +8,7 @@ is one module in this package that subclasses `Architecture` and registers itsel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from kobold_backend.errors import ModelFormatError
@@ -79,11 +79,14 @@ class LayerLayout:
 
     `linears` keys are projection names (`q_proj`, ..., `qkv_proj`, `gate_up_proj`); `norms` keys are Layer fields
     (`input_norm`, `post_norm` = the norm before the MLP, `attn_out_norm`, `mlp_out_norm`, `q_norm`, `k_norm`) with
-    (checkpoint name without `.weight`, size)."""
+    (checkpoint name without `.weight`, size). `linears` keys must be `Layer` projection fields."""
 
     linears: Dict[str, Linear]
     norms: Dict[str, Tuple[str, int]]
     biased: Tuple[str, ...] = ()
+    #: linears the architecture's `build_mlp` loads itself (routed experts, router): listed so the split planner
+    #: and the bench's synthetic checkpoints know them; the generic loader does not read them
+    mlp_linears: Dict[str, Linear] = field(default_factory=dict)
 
 
 class Architecture:
