@@ -343,8 +343,11 @@ def _from_sentencepiece(path: Path, config: TokenizerConfig, bos_id: Optional[in
     else:
         _llama_pipeline(backend, config)
     # Control pieces (<s>, </s>) are special tokens, user-defined pieces plain added tokens: both matched whole.
+    # Those tokenizer_config.json declares are added later with its flags.
+    declared = {spec.content for spec in config.added_tokens}
     for kind, special in ((spm.CONTROL, True), (spm.USER_DEFINED, False)):
-        tokens = [AddedToken(model.pieces[i][0], normalized=False, special=special) for i in model.ids_of_type(kind)]
+        tokens = [AddedToken(model.pieces[i][0], normalized=False, special=special) for i in model.ids_of_type(kind)
+                  if model.pieces[i][0] not in declared]
         if tokens:
             (backend.add_special_tokens if special else backend.add_tokens)(tokens)
     if model.bos_id >= 0 and "bos_token" not in config.special and bos_id is None:
