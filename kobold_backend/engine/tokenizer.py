@@ -88,7 +88,12 @@ class Tokenizer:
     def stream_decoder(self, continuation: bool = False) -> StreamDecoder:
         """A decoder for a token stream. From the start of a text it drops the space the tokenizer adds in
         front (as `decode` does); with continuation=True (text after a prompt) every space is kept."""
-        return StreamDecoder(self, strip_prefix_space=not continuation and self.adds_prefix_space())
+        return StreamDecoder(self, strip_prefix_space=not continuation and self.decode_strips_prefix_space())
+
+    def decode_strips_prefix_space(self) -> bool:
+        """Whether `decode` drops the space the tokenizer put in front of a text (sentencepiece-style tokenizers
+        do; byte-level BPE with add_prefix_space keeps it, as transformers does)."""
+        return self.adds_prefix_space()
 
     def adds_prefix_space(self) -> bool:
         """Whether encoding a text puts a space in front of its first word (sentencepiece's dummy prefix)."""
@@ -145,7 +150,7 @@ class StreamDecoder:
         return data[:cut].decode("utf-8", errors="replace")
 
 
-LLAMA_CLASSES = ("LlamaTokenizer", "CodeLlamaTokenizer")
+LLAMA_CLASSES = ("LlamaTokenizer",)
 GEMMA_CLASSES = ("GemmaTokenizer",)
 
 
@@ -179,15 +184,19 @@ def _gemma_pipeline(backend: Any) -> None:
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
 
 
-def _set_byte_level_prefix(spec: Dict[str, Any], add_prefix_space: bool) -> None:
-    """add_prefix_space from tokenizer_config.json wins over the ByteLevel pre-tokenizer's own setting."""
+def _set_byte_level_prefix(spec: Dict[str, Any], add_prefix_space: bool) -> bool:
+    """add_prefix_space from tokenizer_config.json wins over the ByteLevel pre-tokenizer's own setting; whether
+    that changed anything."""
     pre = spec.get("pre_tokenizer")
     stack = [pre] if isinstance(pre, dict) else []
+    changed = False
     while stack:
         node = stack.pop()
-        if node.get("type") == "ByteLevel":
+        if node.get("type") == "ByteLevel" and node.get("add_prefix_space") != add_prefix_space:
             node["add_prefix_space"] = add_prefix_space
+            changed = True
         stack.extend(n for n in node.get("pretokenizers") or [] if isinstance(n, dict))
+    return changed
 
 
 def _sentencepiece_like(spec: Dict[str, Any]) -> bool:
@@ -273,6 +282,9 @@ class FastTokenizer(Tokenizer):
     def _encode(self, text: str) -> List[int]:
         return list(self.tok.encode(text, add_special_tokens=False).ids)
 
+    def decode_strips_prefix_space(self) -> bool:
+        return not self.byte_level and self.adds_prefix_space()
+
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode([i for i in self._valid(ids) if i not in self.special], skip_special_tokens=True)
 
@@ -315,9 +327,10 @@ def _from_tokenizer_json(path: Path, config: TokenizerConfig, bos_id: Optional[i
 
     try:
         spec = json.loads(path.read_text(encoding="utf-8"))
-        if config.add_prefix_space is not None:
-            _set_byte_level_prefix(spec, config.add_prefix_space)
-        backend = RustTokenizer.from_str(json.dumps(spec))
+        if config.add_prefix_space is not None and _set_byte_level_prefix(spec, config.add_prefix_space):
+            backend = RustTokenizer.from_str(json.dumps(spec))
+        else:
+            backend = RustTokenizer.from_file(str(path))
     except Exception as exc:
         raise ModelFormatError(f"{path} is not a readable tokenizer.json ({exc}).") from None
     if config.tokenizer_class in LLAMA_CLASSES and _sentencepiece_like(spec):
