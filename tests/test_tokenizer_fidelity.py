@@ -116,6 +116,16 @@ def test_bos_and_eos_come_from_the_tokenizer_files(family_dirs: Dict[str, Path])
     assert qwen.prefix_ids == () and qwen.bos_id is None and qwen.bos_token is None
     assert gemma.prefix_ids == (2,) and gemma.bos_token == "<bos>" and gemma.eos_ids == (1,)
     assert not gemma.adds_prefix_space() and llama3.adds_prefix_space() is False
+    with_eos = ours(family_dirs["llama2-add-eos"])
+    assert with_eos.encode("Hi", add_bos=True, add_eos=True)[::len(with_eos.encode("Hi")) + 1] == [1, 2]
+
+
+def test_split_special_tokens_reads_them_as_text(family_dirs: Dict[str, Path]) -> None:
+    """transformers' default matches special tokens written in text; split_special_tokens=true reads them as text."""
+    assert ours(family_dirs["qwen2"]).encode("<|im_start|>") == [ours(family_dirs["qwen2"]).vocab_size - 2]
+    split = ours(family_dirs["qwen2-split-specials"])
+    assert len(split.encode("<|im_start|>")) > 1
+    assert split.decode(split.encode("<|im_start|>user")) == "<|im_start|>user"
 
 
 def test_generation_config_eos_ids_reach_the_tokenizer(tmp_path: Path) -> None:

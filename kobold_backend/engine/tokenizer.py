@@ -215,6 +215,7 @@ class FastTokenizer(Tokenizer):
         self.config = config
         self.byte_level = byte_level
         _add_config_tokens(backend, config)
+        backend.encode_special_tokens = config.split_special_tokens
         self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
         added = backend.get_added_tokens_decoder()
         self.added: Dict[int, Any] = {int(i): t for i, t in added.items()}

@@ -34,6 +34,7 @@ class TokenizerConfig:
     add_prefix_space: Optional[bool] = None
     add_bos_token: Optional[bool] = None
     add_eos_token: Optional[bool] = None
+    split_special_tokens: bool = False  # True: special tokens written in text are read as plain text
     special: Dict[str, Optional[str]] = field(default_factory=dict)  # "bos_token" -> "<s>"; None: set to null
     additional_special: List[str] = field(default_factory=list)
     added_tokens: List[AddedTokenSpec] = field(default_factory=list)
@@ -100,6 +101,7 @@ def read_tokenizer_config(folder: Path) -> TokenizerConfig:
     out.add_prefix_space = _flag(config, "add_prefix_space")
     out.add_bos_token = _flag(config, "add_bos_token")
     out.add_eos_token = _flag(config, "add_eos_token")
+    out.split_special_tokens = bool(_flag(config, "split_special_tokens"))
     for key in SPECIAL_KEYS:
         if key in config:
             out.special[key] = _token_text(config[key])
