@@ -47,6 +47,7 @@ CONVERSATIONS: List[List[Dict[str, Any]]] = [
      {"role": "user", "content": "  Tell me\nabout the licence.  "}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "ann"},
      {"role": "assistant", "content": "A small model. "}, {"role": "user", "content": "naïve café 漢字 😀 [INST]"}],
+    [{"role": "user", "content": "Hi", "name": None}],
 ]
 
 

@@ -102,7 +102,9 @@ class ChatFormatter:
         self.eos_token = tokenizer.eos_token or ""
 
     def render(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text: the template with bos_token, eos_token, no tools (what apply_chat_template renders)."""
+        """The prompt text: the template with bos_token, eos_token, no tools (what apply_chat_template renders;
+        like it, keys whose value is None are dropped from the messages, so `content: null` reads as missing)."""
+        messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         bos_token=self.bos_token, eos_token=self.eos_token, tools=None,
