@@ -191,3 +191,28 @@ def test_chat_template_jinja_file_beside_the_config(tmp_path: Path) -> None:
     folder = write_llama2(tmp_path / "model", legacy=False)
     (folder / "chat_template.jinja").write_text(GEMMA3, encoding="utf-8")
     assert model_template(folder) == GEMMA3 == hf_tokenizer(folder).chat_template
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_broken_tokenizer_model_names_the_file(tmp_path: Path, damage: str) -> None:
+    from kobold_backend.errors import ModelFormatError
+
+    folder = write_llama2(tmp_path / "model", legacy=False)
+    data = (folder / "tokenizer.model").read_bytes()
+    broken = {"truncated": data[: len(data) // 2], "garbage": bytes(range(256)) * 8, "empty": b""}[damage]
+    (folder / "tokenizer.model").write_bytes(broken)
+    with pytest.raises(ModelFormatError, match="tokenizer.model"):
+        load_tokenizer(folder)
+
+
+def test_broken_tokenizer_files_name_the_file(tmp_path: Path) -> None:
+    from kobold_backend.errors import ModelFormatError
+
+    folder = write_qwen2(tmp_path / "model")
+    (folder / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ModelFormatError, match="tokenizer_config.json"):
+        load_tokenizer(folder)
+    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text('{"model": {"type": "nothing"}}')
+    with pytest.raises(ModelFormatError, match="tokenizer.json"):
+        load_tokenizer(folder)

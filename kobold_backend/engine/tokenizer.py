@@ -349,7 +349,10 @@ def _from_sentencepiece(path: Path, config: TokenizerConfig, bos_id: Optional[in
     model = spm.read_model(path)
     if model.model_type != spm.BPE:
         return SentencePieceTokenizer(path, bos_id, eos_ids)
-    backend: Any = spm.bpe_backend(model)
+    try:
+        backend: Any = spm.bpe_backend(model)
+    except Exception as exc:
+        raise ModelFormatError(f"{path} is not a usable sentencepiece BPE model ({exc}).") from None
     gemma = config.tokenizer_class in GEMMA_CLASSES or (
         config.tokenizer_class not in LLAMA_CLASSES and not model.add_dummy_prefix)
     if gemma:
