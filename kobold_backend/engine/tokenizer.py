@@ -311,7 +311,7 @@ def _add_config_tokens(backend: Any, config: TokenizerConfig) -> None:
         token = AddedToken(spec.content, single_word=spec.single_word, lstrip=spec.lstrip, rstrip=spec.rstrip,
                            normalized=spec.normalized, special=spec.special)
         if spec.id is None and backend.token_to_id(spec.content) is None:
-            continue  # a special-token name the vocabulary lacks: transformers would append it; nothing uses it
+            continue  # not in the vocabulary: transformers would append a new id past the model's embeddings
         if spec.special:
             backend.add_special_tokens([token])
         else:
