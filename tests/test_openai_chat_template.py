@@ -19,28 +19,8 @@ from kobold_backend.server.chat_template import (
     compile_template,
     model_template,
 )
+from tests.fixtures.tokenizer_families import LLAMA2, LLAMA3
 
-# meta-llama/Llama-2-7b-chat-hf's template.
-LLAMA2 = (
-    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
-    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
-    "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
-    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-    "{% if loop.index0 == 0 and system_message != false %}"
-    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
-    "{% else %}{% set content = message['content'] %}{% endif %}{% if message['role'] == 'user' %}"
-    "{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
-    "{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
-)
-# meta-llama/Meta-Llama-3-8B-Instruct's template.
-LLAMA3 = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}"
-    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
-    "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
 # HF's extras: strftime_now, tools=None, namespace, loop controls, tojson without HTML escapes, {% generation %},
 # trim_blocks/lstrip_blocks whitespace handling.
 HELPERS = """{%- set ns = namespace(system='') -%}
@@ -67,6 +47,7 @@ CONVERSATIONS: List[List[Dict[str, Any]]] = [
      {"role": "user", "content": "  Tell me\nabout the licence.  "}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "ann"},
      {"role": "assistant", "content": "A small model. "}, {"role": "user", "content": "naïve café 漢字 😀 [INST]"}],
+    [{"role": "user", "content": "Hi", "name": None}],
 ]
 
 

@@ -1,10 +1,11 @@
-"""Tokenizers against the libraries that define them (sentencepiece, tokenizers): encode/decode, special ids,
-streaming decode across byte-fallback pieces, and out-of-vocabulary ids."""
+"""Tokenizers against transformers' AutoTokenizer on the same folder: encode/decode, special ids, streaming decode
+across byte-fallback pieces, and out-of-vocabulary ids. (Per-family fidelity: test_tokenizer_fidelity.py.)"""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import Callable, List
+from typing import Any, Callable, List
 
 import pytest
 import sentencepiece as spm
@@ -29,18 +30,25 @@ TEXTS = [
 ]
 
 
+@functools.lru_cache(maxsize=None)
+def auto_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
 def reference(kind: str, folder: Path) -> Callable[[str], List[int]]:
-    if kind == "spm":
-        sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
-        return sp.encode
-    tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
-    return lambda text: tok.encode(text, add_special_tokens=False).ids
+    return lambda text: auto_tokenizer(folder)(text, add_special_tokens=False).input_ids
 
 
 def reference_decode(kind: str, folder: Path) -> Callable[[List[int]], str]:
-    if kind == "spm":
-        return spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model")).decode
-    return HFTokenizer.from_file(str(folder / "tokenizer.json")).decode
+    return lambda ids: auto_tokenizer(folder).decode(ids, skip_special_tokens=True)
+
+
+def round_trips(kind: str, text: str) -> bool:
+    """A text that starts with a space gets no dummy prefix (its own space is the "▁"), and decoding drops the
+    first space of a sentencepiece text: so such a text comes back without its first space, as in transformers."""
+    return not (kind == "spm" and text.startswith(" "))
 
 
 @pytest.fixture(params=["spm", "bpe"])
@@ -54,7 +62,8 @@ def test_encode_decode_match_the_library(text: str, tok) -> None:
     kind, folder, ours = tok
     ids = reference(kind, folder)(text)
     assert ours.encode(text) == ids
-    assert ours.decode(ids) == reference_decode(kind, folder)(ids) == text
+    assert ours.decode(ids) == reference_decode(kind, folder)(ids)
+    assert ours.decode(ids) == (text if round_trips(kind, text) else text[1:])
 
 
 def test_special_ids_come_from_the_model_folder(checkpoints: CheckpointFactory) -> None:
@@ -90,10 +99,10 @@ def stream(ours: Tokenizer, ids: List[int]) -> List[str]:
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_stream_decode_equals_decode(text: str, tok) -> None:
-    _, _, ours = tok
+    kind, _, ours = tok
     ids = ours.encode(text)
     chunks = stream(ours, ids)
-    assert "".join(chunks) == ours.decode(ids) == text
+    assert "".join(chunks) == ours.decode(ids) == (text if round_trips(kind, text) else text[1:])
     # never a partial character: no replacement character, and nothing held back once the text is complete
     assert all("\ufffd" not in c for c in chunks)
     assert chunks[-1] == ""
@@ -101,14 +110,17 @@ def test_stream_decode_equals_decode(text: str, tok) -> None:
 
 def test_stream_emits_each_character_as_soon_as_it_is_complete(tok) -> None:
     _, _, ours = tok
-    ids = ours.encode("a 漢字 😀 b")
+    text = "a 漢字 😀 b"
+    ids = ours.encode(text)
     decoder = ours.stream_decoder()
     emitted = ""
     for n, i in enumerate(ids):
         emitted += decoder.feed(i)
-        # after each token: exactly the complete characters of what has been fed
-        assert emitted == ours.decode(ids[: n + 1]).rstrip("\ufffd")
-    assert emitted == "a 漢字 😀 b"
+        # after each token: exactly the whole characters among the bytes fed so far, never a partial one
+        fed = len(b"".join(ours.token_bytes(t) for t in ids[: n + 1])) - int(ours.decode_strips_prefix_space())
+        whole = max(k for k in range(len(text) + 1) if len(text[:k].encode("utf-8")) <= fed)
+        assert emitted == text[:whole]
+    assert emitted == text
 
 
 def test_out_of_vocabulary_ids_are_skipped(tok) -> None:

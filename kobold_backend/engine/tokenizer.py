@@ -1,4 +1,5 @@
-"""Tokenizers: sentencepiece `tokenizer.model` and `tokenizer.json` (tokenizers package), one interface.
+"""Tokenizers with transformers' ids: tokenizer.json or a BPE sentencepiece tokenizer.model run through the
+`tokenizers` package with the pipeline transformers builds for the model's tokenizer class, one interface.
 
 Streaming decodes token bytes, not strings, so a piece's leading space is never dropped and a
 UTF-8 character split across byte-fallback tokens is only emitted once it is whole.
@@ -7,10 +8,14 @@ UTF-8 character split across byte-fallback tokens is only emitted once it is who
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
+from kobold_backend.engine.tokenizer_config import AddedTokenSpec, TokenizerConfig, read_tokenizer_config
 from kobold_backend.errors import ModelFormatError
+
+log = logging.getLogger(__name__)
 
 
 def _bytes_to_unicode() -> Dict[int, str]:
@@ -39,13 +44,27 @@ def _byte_piece(piece: str) -> Optional[int]:
 
 
 class Tokenizer:
-    """Common interface; use `load_tokenizer(folder)`."""
+    """Common interface; use `load_tokenizer(folder)`.
+
+    `encode(text)` gives the ids transformers' tokenizer gives with `add_special_tokens=False`: special and added
+    tokens written in the text become their single ids (transformers' default `split_special_tokens=False`), and
+    the dummy-prefix space follows the model's `legacy`/`add_prefix_space`. `add_bos`/`add_eos` add what the
+    tokenizer itself puts around a text (`add_bos_token`/`add_eos_token`, or tokenizer.json's post-processor), so
+    `encode(text, add_bos=True, add_eos=True)` equals `AutoTokenizer(text).input_ids`."""
 
     bos_id: Optional[int]
     eos_ids: Tuple[int, ...]
     vocab_size: int
+    bos_token: Optional[str] = None
+    eos_token: Optional[str] = None
+    prefix_ids: Tuple[int, ...] = ()  # what the tokenizer puts in front of a text: BOS when it adds one
+    suffix_ids: Tuple[int, ...] = ()  # what it puts after a text: EOS with add_eos_token
 
-    def encode(self, text: str, add_bos: bool = False) -> List[int]:
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> List[int]:
+        ids = self._encode(text)
+        return (list(self.prefix_ids) if add_bos else []) + ids + (list(self.suffix_ids) if add_eos else [])
+
+    def _encode(self, text: str) -> List[int]:
         raise NotImplementedError
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -69,7 +88,12 @@ class Tokenizer:
     def stream_decoder(self, continuation: bool = False) -> StreamDecoder:
         """A decoder for a token stream. From the start of a text it drops the space the tokenizer adds in
         front (as `decode` does); with continuation=True (text after a prompt) every space is kept."""
-        return StreamDecoder(self, strip_prefix_space=not continuation and self.adds_prefix_space())
+        return StreamDecoder(self, strip_prefix_space=not continuation and self.decode_strips_prefix_space())
+
+    def decode_strips_prefix_space(self) -> bool:
+        """Whether `decode` drops the space the tokenizer put in front of a text (sentencepiece-style tokenizers
+        do; byte-level BPE with add_prefix_space keeps it, as transformers does)."""
+        return self.adds_prefix_space()
 
     def adds_prefix_space(self) -> bool:
         """Whether encoding a text puts a space in front of its first word (sentencepiece's dummy prefix)."""
@@ -126,73 +150,123 @@ class StreamDecoder:
         return data[:cut].decode("utf-8", errors="replace")
 
 
-class SentencePieceTokenizer(Tokenizer):
-    def __init__(self, path: Path, bos_id: Optional[int], eos_ids: Sequence[int]) -> None:
-        import sentencepiece
+LLAMA_CLASSES = ("LlamaTokenizer",)
+GEMMA_CLASSES = ("GemmaTokenizer",)
 
-        self.sp = sentencepiece.SentencePieceProcessor()
-        try:
-            self.sp.Load(str(path))
-        except (OSError, RuntimeError) as exc:
-            raise ModelFormatError(f"{path} is not a readable sentencepiece model ({exc}).") from None
-        self.vocab_size = int(self.sp.GetPieceSize())
-        sp_bos, sp_eos = self.sp.bos_id(), self.sp.eos_id()
-        self.bos_id = bos_id if bos_id is not None else (sp_bos if sp_bos >= 0 else None)
-        self.eos_ids = tuple(eos_ids) if eos_ids else ((sp_eos,) if sp_eos >= 0 else ())
+
+def _prepend_scheme(config: TokenizerConfig) -> str:
+    """transformers' LlamaTokenizer: no dummy prefix with add_prefix_space=False; a prefix before every chunk of
+    text between added tokens with legacy=True; otherwise (legacy=False, or no `legacy` key) only at the start."""
+    if config.add_prefix_space is False:
+        return "never"
+    return "always" if config.legacy else "first"
+
+
+def _llama_pipeline(backend: Any, config: TokenizerConfig) -> None:
+    """Metaspace pre-tokenizer (spaces become "▁", the dummy prefix per `_prepend_scheme`), byte-fallback decoder."""
+    from tokenizers import decoders, pre_tokenizers
+
+    scheme = _prepend_scheme(config)
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if scheme != "never":
+        steps.append(decoders.Strip(content=" ", left=1))
+    backend.decoder = decoders.Sequence(steps)
+
+
+def _gemma_pipeline(backend: Any) -> None:
+    """Spaces become "▁" with no dummy prefix; byte-fallback decoder."""
+    from tokenizers import decoders, normalizers
+
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = None
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+
+
+def _set_byte_level_prefix(spec: Dict[str, Any], add_prefix_space: bool) -> bool:
+    """add_prefix_space from tokenizer_config.json wins over the ByteLevel pre-tokenizer's own setting; whether
+    that changed anything."""
+    pre = spec.get("pre_tokenizer")
+    stack = [pre] if isinstance(pre, dict) else []
+    changed = False
+    while stack:
+        node = stack.pop()
+        if node.get("type") == "ByteLevel" and node.get("add_prefix_space") != add_prefix_space:
+            node["add_prefix_space"] = add_prefix_space
+            changed = True
+        stack.extend(n for n in node.get("pretokenizers") or [] if isinstance(n, dict))
+    return changed
+
+
+def _sentencepiece_like(spec: Dict[str, Any]) -> bool:
+    model = spec.get("model") or {}
+    return model.get("type") == "BPE" and bool(model.get("byte_fallback")) and "ByteLevel" not in json.dumps(
+        spec.get("pre_tokenizer") or {})
+
+
+class FastTokenizer(Tokenizer):
+    """A `tokenizers.Tokenizer` (from tokenizer.json, or built from a BPE tokenizer.model) set up as transformers
+    sets it up for the folder's tokenizer_config.json."""
+
+    def __init__(self, backend: Any, config: TokenizerConfig, bos_id: Optional[int], eos_ids: Sequence[int],
+                 byte_level: bool, control_ids: Iterable[int] = ()) -> None:
+        self.tok = backend
+        self.config = config
+        self.byte_level = byte_level
+        _add_config_tokens(backend, config)
+        backend.encode_special_tokens = config.split_special_tokens
+        self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
+        added = backend.get_added_tokens_decoder()
+        self.added: Dict[int, Any] = {int(i): t for i, t in added.items()}
+        own_bos = self._token_id(config.special.get("bos_token"))
+        own_eos = self._token_id(config.special.get("eos_token"))
+        # The tokenizer's own bos_token wins over config.json's bos_token_id, and so does its null (Qwen).
+        self.bos_id = own_bos if "bos_token" in config.special else bos_id
+        self.eos_ids = tuple(eos_ids) if eos_ids else ((own_eos,) if own_eos is not None else ())
+        self.bos_token = self._special_text("bos_token", self.bos_id)
+        self.eos_token = self._special_text("eos_token", self.eos_ids[0] if self.eos_ids else None)
+        self.special: Set[int] = {i for i, t in self.added.items() if t.special} | set(control_ids)
+        self.special |= {i for i in (self._token_id(config.special.get(k)) for k in config.special) if i is not None}
+        self.prefix_ids, self.suffix_ids = self._added_around(
+            self.bos_id, own_eos if own_eos is not None else (self.eos_ids[0] if self.eos_ids else None))
         self._bytes: List[bytes] = [self._piece_bytes(i) for i in range(self.vocab_size)]
 
-    def _piece_bytes(self, i: int) -> bytes:
-        if self.sp.IsControl(i) or self.sp.IsUnknown(i):
-            return b""
-        piece = self.sp.IdToPiece(i)
-        if self.sp.IsByte(i):
-            value = _byte_piece(piece)
-            return bytes([value]) if value is not None else b""
-        return piece.replace("\u2581", " ").encode("utf-8")
-
-    def encode(self, text: str, add_bos: bool = False) -> List[int]:
-        ids = list(self.sp.EncodeAsIds(text))
-        return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.sp.DecodeIds(self._valid(ids))
-
-    def token_bytes(self, token_id: int) -> bytes:
-        if 0 <= token_id < self.vocab_size:
-            return self._bytes[token_id]
-        return b""
-
-
-class HFTokenizer(Tokenizer):
-    """tokenizer.json through the `tokenizers` package: byte-level BPE (Llama 3) or metaspace (Llama 2)."""
-
-    def __init__(self, path: Path, bos_id: Optional[int], eos_ids: Sequence[int]) -> None:
-        from tokenizers import Tokenizer as RustTokenizer
-
-        try:
-            self.tok = RustTokenizer.from_file(str(path))
-            spec = json.loads(path.read_text(encoding="utf-8"))
-        except Exception as exc:
-            raise ModelFormatError(f"{path} is not a readable tokenizer.json ({exc}).") from None
-        self.vocab_size = int(self.tok.get_vocab_size(with_added_tokens=True))
-        self.special = {int(t["id"]) for t in spec.get("added_tokens", []) if t.get("special")}
-        self.byte_level = "ByteLevel" in json.dumps(spec.get("decoder") or {})
-        config = _read_tokenizer_config(path.parent)
-        self.bos_id = bos_id if bos_id is not None else self._token_id(config.get("bos_token"))
-        eos = self._token_id(config.get("eos_token"))
-        self.eos_ids = tuple(eos_ids) if eos_ids else ((eos,) if eos is not None else ())
-        self._bytes: List[bytes] = [self._piece_bytes(i) for i in range(self.vocab_size)]
-
-    def _token_id(self, token: object) -> Optional[int]:
-        if isinstance(token, dict):
-            token = token.get("content")
-        if not isinstance(token, str):
+    def _token_id(self, token: Optional[str]) -> Optional[int]:
+        if not token:
             return None
-        return self.tok.token_to_id(token)
+        found = self.tok.token_to_id(token)
+        return int(found) if found is not None else None
+
+    def _special_text(self, key: str, fallback_id: Optional[int]) -> Optional[str]:
+        """The config's text for a special token (None where it sets null), else the vocabulary's for the id."""
+        if key in self.config.special:
+            return self.config.special[key]
+        return self.tok.id_to_token(fallback_id) if fallback_id is not None else None
+
+    def _added_around(self, bos: Optional[int], eos: Optional[int]) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        """The ids transformers adds around a text: add_bos_token/add_eos_token when the config sets either (it then
+        rebuilds the post-processor), else whatever tokenizer.json's post-processor adds."""
+        config = self.config
+        if config.add_bos_token is not None or config.add_eos_token is not None:
+            prefix = (bos,) if config.add_bos_token and bos is not None else ()
+            suffix = (eos,) if config.add_eos_token and eos is not None else ()
+            return prefix, suffix
+        if self.tok.post_processor is None:
+            return (), ()
+        probe = "a"
+        plain = list(self.tok.encode(probe, add_special_tokens=False).ids)
+        full = list(self.tok.encode(probe, add_special_tokens=True).ids)
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return tuple(full[:start]), tuple(full[start + len(plain):])
+        return (), ()
 
     def _piece_bytes(self, i: int) -> bytes:
         if i in self.special:
             return b""
+        if i in self.added:
+            return str(self.added[i].content).encode("utf-8")
         piece = self.tok.id_to_token(i)
         if piece is None:
             return b""
@@ -206,12 +280,14 @@ class HFTokenizer(Tokenizer):
             return bytes([value])
         return piece.replace("\u2581", " ").encode("utf-8")
 
-    def encode(self, text: str, add_bos: bool = False) -> List[int]:
-        ids = list(self.tok.encode(text, add_special_tokens=False).ids)
-        return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
+    def _encode(self, text: str) -> List[int]:
+        return list(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def decode_strips_prefix_space(self) -> bool:
+        return not self.byte_level and self.adds_prefix_space()
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self.tok.decode(self._valid(ids), skip_special_tokens=True)
+        return self.tok.decode([i for i in self._valid(ids) if i not in self.special], skip_special_tokens=True)
 
     def token_bytes(self, token_id: int) -> bytes:
         if 0 <= token_id < self.vocab_size:
@@ -219,30 +295,143 @@ class HFTokenizer(Tokenizer):
         return b""
 
 
-def _read_tokenizer_config(folder: Path) -> Dict[str, object]:
-    path = folder / "tokenizer_config.json"
-    if not path.is_file():
-        return {}
+def _add_config_tokens(backend: Any, config: TokenizerConfig) -> None:
+    """Make the config's added tokens and special-token texts added tokens of `backend` (matched whole in text),
+    as transformers does; tokens the backend already has keep their id and flags."""
+    from tokenizers import AddedToken
+
+    known = {str(t.content) for t in backend.get_added_tokens_decoder().values()}
+    specs: List[AddedTokenSpec] = list(config.added_tokens)
+    texts = [t for t in config.special.values() if t] + config.additional_special
+    specs += [AddedTokenSpec(None, text) for text in texts]
+    for spec in specs:
+        if spec.content in known:
+            continue
+        known.add(spec.content)
+        token = AddedToken(spec.content, single_word=spec.single_word, lstrip=spec.lstrip, rstrip=spec.rstrip,
+                           normalized=spec.normalized, special=spec.special)
+        if spec.id is None and backend.token_to_id(spec.content) is None:
+            continue  # not in the vocabulary: transformers would append a new id past the model's embeddings
+        if spec.special:
+            backend.add_special_tokens([token])
+        else:
+            backend.add_tokens([token])
+        got = backend.token_to_id(spec.content)
+        if spec.id is not None and got != spec.id:
+            log.warning("added token %r has id %s here, but tokenizer_config.json says %s", spec.content, got,
+                        spec.id)
+
+
+def _from_tokenizer_json(path: Path, config: TokenizerConfig, bos_id: Optional[int],
+                         eos_ids: Sequence[int]) -> Tokenizer:
+    from tokenizers import Tokenizer as RustTokenizer
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        raise ModelFormatError(f"{path} is not valid JSON.") from None
-    return data if isinstance(data, dict) else {}
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        if config.add_prefix_space is not None and _set_byte_level_prefix(spec, config.add_prefix_space):
+            backend = RustTokenizer.from_str(json.dumps(spec))
+        else:
+            backend = RustTokenizer.from_file(str(path))
+    except Exception as exc:
+        raise ModelFormatError(f"{path} is not a readable tokenizer.json ({exc}).") from None
+    if config.tokenizer_class in LLAMA_CLASSES and _sentencepiece_like(spec):
+        _llama_pipeline(backend, config)
+    byte_level = "ByteLevel" in json.dumps(spec.get("decoder") or {})
+    return FastTokenizer(backend, config, bos_id, eos_ids, byte_level)
+
+
+def _from_sentencepiece(path: Path, config: TokenizerConfig, bos_id: Optional[int],
+                        eos_ids: Sequence[int]) -> Tokenizer:
+    from tokenizers import AddedToken
+
+    from kobold_backend.engine import sentencepiece_model as spm
+
+    model = spm.read_model(path)
+    if model.model_type != spm.BPE:
+        return SentencePieceTokenizer(path, bos_id, eos_ids)
+    try:
+        backend: Any = spm.bpe_backend(model)
+    except Exception as exc:
+        raise ModelFormatError(f"{path} is not a usable sentencepiece BPE model ({exc}).") from None
+    gemma = config.tokenizer_class in GEMMA_CLASSES or (
+        config.tokenizer_class not in LLAMA_CLASSES and not model.add_dummy_prefix)
+    if gemma:
+        _gemma_pipeline(backend)
+    else:
+        _llama_pipeline(backend, config)
+    # Control pieces (<s>, </s>) are special tokens, user-defined pieces plain added tokens: both matched whole.
+    # Those tokenizer_config.json declares are added later with its flags.
+    declared = {spec.content for spec in config.added_tokens}
+    for kind, special in ((spm.CONTROL, True), (spm.USER_DEFINED, False)):
+        tokens = [AddedToken(model.pieces[i][0], normalized=False, special=special) for i in model.ids_of_type(kind)
+                  if model.pieces[i][0] not in declared]
+        if tokens:
+            (backend.add_special_tokens if special else backend.add_tokens)(tokens)
+    if model.bos_id >= 0 and "bos_token" not in config.special and bos_id is None:
+        bos_id = model.bos_id
+    if model.eos_id >= 0 and not eos_ids and "eos_token" not in config.special:
+        eos_ids = (model.eos_id,)
+    controls = model.ids_of_type(spm.CONTROL) + model.ids_of_type(spm.UNKNOWN)
+    return FastTokenizer(backend, config, bos_id, eos_ids, byte_level=False, control_ids=controls)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A unigram sentencepiece model (not a Llama/Gemma BPE one) through the sentencepiece library itself."""
+
+    def __init__(self, path: Path, bos_id: Optional[int], eos_ids: Sequence[int]) -> None:
+        import sentencepiece
+
+        self.sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self.sp.Load(str(path))
+        except (OSError, RuntimeError) as exc:
+            raise ModelFormatError(f"{path} is not a readable sentencepiece model ({exc}).") from None
+        self.vocab_size = int(self.sp.GetPieceSize())
+        sp_bos, sp_eos = self.sp.bos_id(), self.sp.eos_id()
+        self.bos_id = bos_id if bos_id is not None else (sp_bos if sp_bos >= 0 else None)
+        self.eos_ids = tuple(eos_ids) if eos_ids else ((sp_eos,) if sp_eos >= 0 else ())
+        self.prefix_ids = (self.bos_id,) if self.bos_id is not None else ()
+        self.bos_token = self.sp.IdToPiece(self.bos_id) if self.bos_id is not None else None
+        self.eos_token = self.sp.IdToPiece(self.eos_ids[0]) if self.eos_ids else None
+        self._bytes: List[bytes] = [self._piece_bytes(i) for i in range(self.vocab_size)]
+
+    def _piece_bytes(self, i: int) -> bytes:
+        if self.sp.IsControl(i) or self.sp.IsUnknown(i):
+            return b""
+        piece = self.sp.IdToPiece(i)
+        if self.sp.IsByte(i):
+            value = _byte_piece(piece)
+            return bytes([value]) if value is not None else b""
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def _encode(self, text: str) -> List[int]:
+        return list(self.sp.EncodeAsIds(text))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.sp.DecodeIds(self._valid(ids))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if 0 <= token_id < self.vocab_size:
+            return self._bytes[token_id]
+        return b""
 
 
 def load_tokenizer(
-    folder: str | Path, bos_id: Optional[int] = None, eos_ids: Sequence[int] = ()
+    folder: Union[str, Path], bos_id: Optional[int] = None, eos_ids: Sequence[int] = ()
 ) -> Tokenizer:
-    """tokenizer.json if present (it is what the model's authors ship), else tokenizer.model."""
+    """tokenizer.json if present (it is what the model's authors ship), else tokenizer.model; either way set up
+    from tokenizer_config.json as transformers sets it up. `bos_id`/`eos_ids` (from config.json and
+    generation_config.json) are used where the tokenizer's own files name none."""
     folder = Path(folder)
+    config = read_tokenizer_config(folder)
     if (folder / "tokenizer.json").is_file():
-        return HFTokenizer(folder / "tokenizer.json", bos_id, eos_ids)
+        return _from_tokenizer_json(folder / "tokenizer.json", config, bos_id, eos_ids)
     if (folder / "tokenizer.model").is_file():
-        return SentencePieceTokenizer(folder / "tokenizer.model", bos_id, eos_ids)
+        return _from_sentencepiece(folder / "tokenizer.model", config, bos_id, eos_ids)
     raise ModelFormatError(f"{folder} has no tokenizer (expected tokenizer.json or tokenizer.model).")
 
 
-def chat_template(folder: str | Path) -> Optional[str]:
-    """The model's own chat template from tokenizer_config.json, if it has one."""
-    template = _read_tokenizer_config(Path(folder)).get("chat_template")
-    return template if isinstance(template, str) else None
+def chat_template(folder: Union[str, Path]) -> Optional[str]:
+    """The model's own chat template: `chat_template.jinja` beside the tokenizer (how recent transformers saves
+    it), else tokenizer_config.json's `chat_template`; None when it has neither."""
+    return read_tokenizer_config(Path(folder)).chat_template

@@ -98,8 +98,8 @@ def tokencount() -> Any:
         return jsonify({"value": -1, "ids": []}), 400
     tokenizer = get_state().require_model().tokenizer
     ids = list(tokenizer.encode(body["prompt"], add_bos=False))
-    if body.get("special", True) is not False and getattr(tokenizer, "bos_id", None) is not None:
-        ids = [int(tokenizer.bos_id)] + ids
+    if body.get("special", True) is not False:
+        ids = [int(i) for i in getattr(tokenizer, "prefix_ids", ())] + ids
     return jsonify({"value": len(ids), "ids": ids})
 
 

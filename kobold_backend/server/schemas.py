@@ -370,9 +370,9 @@ def effective_lengths(params: GenerateParams, server_context: int, default_max_l
 
 
 def fit_prompt(tokenizer: Any, memory: str, prompt: str, budget: int) -> List[int]:
-    """Token ids of BOS + memory + prompt in at most `budget` tokens; the prompt loses tokens from its
-    front first, then the memory does."""
-    bos = [] if getattr(tokenizer, "bos_id", None) is None else [int(tokenizer.bos_id)]
+    """Token ids of BOS (when the tokenizer adds one) + memory + prompt in at most `budget` tokens; the prompt
+    loses tokens from its front first, then the memory does."""
+    bos = [int(i) for i in getattr(tokenizer, "prefix_ids", ())]
     ids = bos + list(tokenizer.encode(memory + prompt, add_bos=False))
     if len(ids) <= budget:
         return ids
