@@ -337,8 +337,8 @@ def test_gpu_layer_split_matches_transformers(name: str, archs, hf) -> None:
 def test_united_accepts_the_folder_and_the_planner_counts_it(name: str, archs, ours) -> None:
     from kobold_backend.engine.config import ModelConfig
     from kobold_backend.engine.device_map import Sizes, checkpoint_shapes, config_shapes, plan_device_map
+    from kobold_backend.engine.load_options import requested_parameters
     from kobold_backend.host.backend import check_model_folder
-    from kobold_backend.host.parameters import requested_parameters
 
     built, lm = archs.get(name), ours(name)
     assert check_model_folder(built.path) is None
