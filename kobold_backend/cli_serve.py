@@ -84,7 +84,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                         capture_output_dir=args.capture_dir)
     chat_template = None
     if args.chat_template is not None:
-        from kobold_backend.server.chat_template import TemplateCompileError, compile_template
+        from kobold_backend.engine.chat_template import TemplateCompileError, compile_template
 
         try:
             chat_template = args.chat_template.read_text(encoding="utf-8")

@@ -7,18 +7,17 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 
-from kobold_backend.engine.tokenizer import load_tokenizer
-from kobold_backend.server.chat_template import (
+from kobold_backend.engine.chat_template import (
     ChatFormatter,
     TemplateCompileError,
     TemplateRenderError,
     compile_template,
-    model_template,
 )
+from kobold_backend.engine.tokenizer import load_tokenizer
 from tests.fixtures.tokenizer_families import LLAMA2, LLAMA3
 
 # HF's extras: strftime_now, tools=None, namespace, loop controls, tojson without HTML escapes, {% generation %},
@@ -49,6 +48,11 @@ CONVERSATIONS: List[List[Dict[str, Any]]] = [
      {"role": "assistant", "content": "A small model. "}, {"role": "user", "content": "naïve café 漢字 😀 [INST]"}],
     [{"role": "user", "content": "Hi", "name": None}],
 ]
+
+
+def _template(folder: Path) -> Optional[str]:
+    """The model's own template, as the engine reads it with the tokenizer."""
+    return load_tokenizer(folder).chat_template
 
 
 def with_template(src: Path, dest: Path, template: str) -> Path:
@@ -84,7 +88,7 @@ def hf_render(folder: Path, messages: List[Dict[str, Any]], tokenize: bool) -> A
 def test_text_and_ids_match_transformers(folders: Dict[str, Path], name: str, conversation: int) -> None:
     folder = folders[name]
     messages = CONVERSATIONS[conversation]
-    source = model_template(folder)
+    source = _template(folder)
     assert source is not None
     formatter = ChatFormatter(source, load_tokenizer(folder), folder)
     text = formatter.render(messages)
@@ -136,11 +140,11 @@ def test_sandbox_refuses_escapes_and_mutation(spm_dir: Path, template: str) -> N
 def test_compile_errors_and_missing_template(spm_dir: Path) -> None:
     with pytest.raises(TemplateCompileError, match="line 1"):
         compile_template("{% for m in messages %}")
-    assert model_template(spm_dir) is None
+    assert _template(spm_dir) is None
 
 
 def test_chat_template_jinja_file_wins(folders: Dict[str, Path], tmp_path: Path) -> None:
     folder = tmp_path / "model"
     shutil.copytree(folders["llama2-spm"], folder)
     (folder / "chat_template.jinja").write_text(LLAMA3)
-    assert model_template(folder) == LLAMA3
+    assert _template(folder) == LLAMA3

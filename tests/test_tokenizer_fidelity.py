@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 
-from kobold_backend.engine.chat_template import ChatFormatter, TemplateRenderError, model_template
+from kobold_backend.engine.chat_template import ChatFormatter, TemplateRenderError
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
 from tests.fixtures.tokenizer_families import FAMILIES, specials_of, write_llama2, write_qwen2
@@ -41,6 +41,11 @@ CONVERSATIONS: List[List[Dict[str, Any]]] = [
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
      {"role": "assistant", "content": " Sure. "}, {"role": "user", "content": "  again"}],
 ]
+
+
+def _template(folder: Path) -> Optional[str]:
+    """The model's own template, as the engine reads it with the tokenizer."""
+    return load_tokenizer(folder).chat_template
 
 
 def texts_for(name: str) -> List[str]:
@@ -156,7 +161,7 @@ def test_chat_template_text_and_ids_equal_transformers(family_dirs: Dict[str, Pa
                                                        conversation: int) -> None:
     folder = family_dirs[name]
     messages = CONVERSATIONS[conversation]
-    source = model_template(folder)
+    source = _template(folder)
     assert source is not None
     formatter = ChatFormatter(source, ours(folder))
     try:
@@ -177,10 +182,10 @@ def test_chat_template_text_and_ids_equal_transformers(family_dirs: Dict[str, Pa
 def test_system_role_handling_of_real_templates(family_dirs: Dict[str, Path]) -> None:
     messages = [{"role": "system", "content": "Rules."}, {"role": "user", "content": "Hi"}]
     with pytest.raises(TemplateRenderError, match="System role not supported"):
-        ChatFormatter(model_template(family_dirs["gemma2"]), ours(family_dirs["gemma2"])).render(messages)
-    gemma3 = ChatFormatter(model_template(family_dirs["gemma3-json"]), ours(family_dirs["gemma3-json"]))
+        ChatFormatter(_template(family_dirs["gemma2"]), ours(family_dirs["gemma2"])).render(messages)
+    gemma3 = ChatFormatter(_template(family_dirs["gemma3-json"]), ours(family_dirs["gemma3-json"]))
     assert gemma3.render(messages) == "<bos><start_of_turn>user\nRules.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
-    qwen = ChatFormatter(model_template(family_dirs["qwen2"]), ours(family_dirs["qwen2"]))
+    qwen = ChatFormatter(_template(family_dirs["qwen2"]), ours(family_dirs["qwen2"]))
     assert qwen.render(messages[1:]).startswith("<|im_start|>system\nYou are Qwen")
     assert qwen.render(messages, add_generation_prompt=False).endswith("<|im_start|>user\nHi<|im_end|>\n")
 
@@ -190,7 +195,7 @@ def test_chat_template_jinja_file_beside_the_config(tmp_path: Path) -> None:
 
     folder = write_llama2(tmp_path / "model", legacy=False)
     (folder / "chat_template.jinja").write_text(GEMMA3, encoding="utf-8")
-    assert model_template(folder) == GEMMA3 == hf_tokenizer(folder).chat_template
+    assert _template(folder) == GEMMA3 == hf_tokenizer(folder).chat_template
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])

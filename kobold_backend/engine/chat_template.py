@@ -11,14 +11,14 @@ import logging
 import re
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional
 
 import jinja2
 import jinja2.nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kobold_backend.engine.tokenizer import Tokenizer, chat_template
+from kobold_backend.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +84,6 @@ def compile_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise TemplateCompileError(f"line {e.lineno}: {e.message}") from None
-
-
-def model_template(folder: Union[str, Path]) -> Optional[str]:
-    """The model's own template: `chat_template.jinja` (how recent transformers saves it), else the
-    `chat_template` of tokenizer_config.json; None when it has neither."""
-    return chat_template(folder)
 
 
 class ChatFormatter:

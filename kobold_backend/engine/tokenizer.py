@@ -59,6 +59,7 @@ class Tokenizer:
     eos_token: Optional[str] = None
     prefix_ids: Tuple[int, ...] = ()  # what the tokenizer puts in front of a text: BOS when it adds one
     suffix_ids: Tuple[int, ...] = ()  # what it puts after a text: EOS with add_eos_token
+    chat_template: Optional[str] = None  # the model's own (chat_template.jinja or tokenizer_config.json)
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> List[int]:
         ids = self._encode(text)
@@ -425,13 +426,10 @@ def load_tokenizer(
     folder = Path(folder)
     config = read_tokenizer_config(folder)
     if (folder / "tokenizer.json").is_file():
-        return _from_tokenizer_json(folder / "tokenizer.json", config, bos_id, eos_ids)
-    if (folder / "tokenizer.model").is_file():
-        return _from_sentencepiece(folder / "tokenizer.model", config, bos_id, eos_ids)
-    raise ModelFormatError(f"{folder} has no tokenizer (expected tokenizer.json or tokenizer.model).")
-
-
-def chat_template(folder: Union[str, Path]) -> Optional[str]:
-    """The model's own chat template: `chat_template.jinja` beside the tokenizer (how recent transformers saves
-    it), else tokenizer_config.json's `chat_template`; None when it has neither."""
-    return read_tokenizer_config(Path(folder)).chat_template
+        tokenizer = _from_tokenizer_json(folder / "tokenizer.json", config, bos_id, eos_ids)
+    elif (folder / "tokenizer.model").is_file():
+        tokenizer = _from_sentencepiece(folder / "tokenizer.model", config, bos_id, eos_ids)
+    else:
+        raise ModelFormatError(f"{folder} has no tokenizer (expected tokenizer.json or tokenizer.model).")
+    tokenizer.chat_template = config.chat_template
+    return tokenizer

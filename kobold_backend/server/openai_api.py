@@ -14,10 +14,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
+from kobold_backend.engine.chat_template import ChatFormatter, TemplateCompileError, TemplateRenderError
 from kobold_backend.errors import OutOfContextError, RequestError
 from kobold_backend.server import passthrough, sse
 from kobold_backend.server.auth import ALLOWED_HEADERS, add_cors_headers, key_ok
-from kobold_backend.server.chat_template import ChatFormatter, TemplateCompileError, TemplateRenderError, model_template
 from kobold_backend.server.engine_holder import ActiveModel
 from kobold_backend.server.errors import BUSY_MESSAGE, ApiError
 from kobold_backend.server.openai_schemas import (
@@ -183,7 +183,7 @@ def chat_completions() -> Any:
 
 
 def _formatter(state: ServerState, active: ActiveModel) -> ChatFormatter:
-    source = state.config.chat_template or model_template(active.path)
+    source = state.config.chat_template or active.tokenizer.chat_template
     if source is None:
         raise OpenAIError(NO_TEMPLATE, 400, "messages", "no_chat_template")
     return ChatFormatter(source, active.tokenizer, active.path)
