@@ -109,8 +109,10 @@ def test_gguf_keeps_block_formats_and_config(spm_checkpoint: Path, tmp_path: Pat
 
 
 def test_gguf_bpe_vocabulary(bpe_checkpoint: Path, tmp_path: Path) -> None:
-    oracle = write_gguf(bpe_checkpoint, tmp_path, {"*": "Q8_0"})
+    template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    oracle = write_gguf(bpe_checkpoint, tmp_path, {"*": "Q8_0"}, chat_template=template)
     lm = load_model(tmp_path / "model.gguf", device="cpu")
+    assert lm.tokenizer.chat_template == template
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(bpe_checkpoint))
     for text in TEXTS + ["<|begin_of_text|>after a special token", "x<|eot_id|>y"]:
         ids = lm.tokenizer.encode(text)
