@@ -246,3 +246,29 @@ def chat_template(folder: str | Path) -> Optional[str]:
     """The model's own chat template from tokenizer_config.json, if it has one."""
     template = _read_tokenizer_config(Path(folder)).get("chat_template")
     return template if isinstance(template, str) else None
+
+
+# encode_tail: the first window is this many characters per kept token (text averages about four).
+TAIL_CHARS_PER_TOKEN = 8
+TAIL_MIN_CHARS = 256
+
+
+def encode_tail(tokenizer: Tokenizer, text: str, keep: int) -> Tuple[List[int], bool]:
+    """(the last `keep` ids of tokenizer.encode(text), whether those are all of its ids), tokenizing only a suffix
+    of `text` when it is long: the window doubles until two windows of different start agree on the last `keep`
+    ids (a tokenization resynchronises a few tokens after wherever the text is cut), or covers the whole text.
+    The work is bounded by the kept part, not by the length of the text."""
+    if keep <= 0:
+        return [], not text
+    size = max(TAIL_MIN_CHARS, TAIL_CHARS_PER_TOKEN * keep)
+    previous: Optional[List[int]] = None
+    while size < len(text):
+        ids = tokenizer.encode(text[len(text) - size:], add_bos=False)
+        if len(ids) > keep + 1:  # the window's first token may be a piece cut by the window, never among those kept
+            tail = ids[len(ids) - keep:]
+            if tail == previous:
+                return tail, False
+            previous = tail
+        size *= 2
+    ids = tokenizer.encode(text, add_bos=False)
+    return ids[max(0, len(ids) - keep):], len(ids) <= keep

@@ -370,19 +370,20 @@ def effective_lengths(params: GenerateParams, server_context: int, default_max_l
 
 
 def fit_prompt(tokenizer: Any, memory: str, prompt: str, budget: int) -> List[int]:
-    """Token ids of BOS + memory + prompt in at most `budget` tokens; the prompt loses tokens from its
-    front first, then the memory does."""
+    """Token ids of BOS + memory + prompt in at most `budget` tokens; the prompt loses tokens from its front
+    first, then the memory does. Texts are tokenized from their end (engine.tokenizer.encode_tail), so a prompt
+    far longer than the context costs what the kept part costs."""
+    from kobold_backend.engine.tokenizer import encode_tail
+
     bos = [] if getattr(tokenizer, "bos_id", None) is None else [int(tokenizer.bos_id)]
-    ids = bos + list(tokenizer.encode(memory + prompt, add_bos=False))
-    if len(ids) <= budget:
-        return ids
-    mem = list(tokenizer.encode(memory, add_bos=False)) if memory else []
-    body = list(tokenizer.encode(prompt, add_bos=False))
-    room = budget - len(bos) - len(mem)
-    if room < 0:
-        keep = max(0, budget - len(bos))
-        return bos + (mem[len(mem) - keep:] if keep else [])
-    return bos + mem + (body[len(body) - room:] if room else [])
+    keep = max(0, budget - len(bos))
+    joint, whole = encode_tail(tokenizer, memory + prompt, keep)
+    if whole:
+        return bos + joint
+    mem, _ = encode_tail(tokenizer, memory, keep) if memory else ([], True)
+    room = keep - len(mem)
+    body, _ = encode_tail(tokenizer, prompt, room)
+    return bos + mem + body
 
 
 def grammar_constraint(params: GenerateParams, tokenizer: Any) -> Any:
