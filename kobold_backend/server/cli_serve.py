@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 from pathlib import Path
@@ -49,20 +48,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted."""
     from kobold_backend.cli import stderr_progress
     from kobold_backend.engine.device_map import split_from_args
     from kobold_backend.server.app import create_app
+    from kobold_backend.server.auth import is_loopback
     from kobold_backend.server.config import ServerConfig
     from kobold_backend.server.engine_holder import EngineHolder
     from kobold_backend.server.wsgi import WaitressServer
@@ -109,7 +100,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           cors_origins=tuple(args.cors_origins), max_queue=args.queue,
                           models_dir=args.models_dir, default_max_length=max(1, args.max_length),
                           passthrough=passthrough, chat_template=chat_template)
-    if not _is_loopback(args.host) and not config.api_key:
+    if not is_loopback(args.host) and not config.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                     args.host)
     app = create_app(config, holder)
