@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Any, Tuple
 
@@ -108,8 +109,23 @@ def run_serve(args: argparse.Namespace) -> int:
     log.info("model %s ready: context %d tokens", active.name, active.max_context)
     log.info("serving on %s/ (KoboldAI API at %s/api, KoboldCpp extras at %s/api/extra)",
              server.url, server.url, server.url)
+    previous = _stop_on_sigterm()
     try:
         server.serve_forever()
+    except KeyboardInterrupt:
+        log.info("stopping: running generations end with their final event")
     finally:
         server.shutdown()
+        signal.signal(signal.SIGTERM, previous)
+        log.info("stopped")
     return 0
+
+
+def _stop_on_sigterm() -> Any:
+    """SIGTERM (systemd, Docker) stops the server the way Ctrl-C does; returns the handler it replaced."""
+
+    def handler(signum: int, frame: Any) -> None:
+        log.info("SIGTERM received")
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, handler)
