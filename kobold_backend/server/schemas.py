@@ -434,12 +434,18 @@ def kobold_finish_reason(reason: Optional[str]) -> str:
 
 def openapi_schema() -> Dict[str, Any]:
     """JSON Schema of the generation body, derived from FIELDS."""
-    props: Dict[str, Any] = {}
-    for f in FIELDS:
-        for name in (f.name, *f.aliases):
-            props[name] = _field_schema(f, alias_of=f.name if name != f.name else None)
-    return {"type": "object", "required": [f.name for f in FIELDS if f.required], "properties": props,
+    return {"type": "object", "required": [f.name for f in FIELDS if f.required], "properties": field_schemas(FIELDS),
             "additionalProperties": True}
+
+
+def field_schemas(fields: Tuple[Field, ...], renames: Optional[Dict[str, Tuple[str, ...]]] = None) -> Dict[str, Any]:
+    """The OpenAPI property of every name a field is accepted under (its name, aliases and `renames`); null is
+    allowed everywhere because parse_generate reads null as absent."""
+    props: Dict[str, Any] = {}
+    for f in fields:
+        for name in (f.name, *f.aliases, *(renames or {}).get(f.name, ())):
+            props[name] = _field_schema(f, alias_of=f.name if name != f.name else None)
+    return props
 
 
 def _field_schema(f: Field, alias_of: Optional[str]) -> Dict[str, Any]:
@@ -451,7 +457,7 @@ def _field_schema(f: Field, alias_of: Optional[str]) -> Dict[str, Any]:
         if f.maximum is not None:
             s["maximum"] = f.maximum
     elif f.kind == "string_list":
-        s = {"type": "array", "items": {"type": "string"}}
+        s = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
     elif f.kind == "int_list":
         s = {"type": "array", "items": {"type": "integer", "minimum": f.minimum, "maximum": f.maximum},
              "maxItems": f.max_items}
@@ -463,5 +469,6 @@ def _field_schema(f: Field, alias_of: Optional[str]) -> Dict[str, Any]:
         s = {"type": "array", "items": {}}
     if f.default is not None and not alias_of:
         s["default"] = list(f.default) if isinstance(f.default, tuple) else f.default
+    s["nullable"] = True
     s["description"] = f"Alias of {alias_of}." if alias_of else f.description
     return s
