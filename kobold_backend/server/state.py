@@ -11,7 +11,7 @@ from flask import current_app, request
 
 from kobold_backend.server.config import ServerConfig
 from kobold_backend.server.engine_holder import ActiveModel, EngineHolder
-from kobold_backend.server.errors import BadJson, NoModelLoaded
+from kobold_backend.server.errors import ApiError, BadJson, NoModelLoaded
 from kobold_backend.server.generation import PerfStats
 from kobold_backend.server.queue import WorkQueue
 from kobold_backend.server.text_checks import check_json_text
@@ -29,6 +29,9 @@ class ServerState:
     def require_model(self) -> ActiveModel:
         active = self.holder.active
         if active is None:
+            if self.holder.loading is not None:
+                raise ApiError(f"The model {self.holder.loading} is loading; try again shortly.", 503,
+                               "service_unavailable")
             raise NoModelLoaded()
         return active
 
