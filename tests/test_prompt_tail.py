@@ -10,7 +10,7 @@ from typing import Any, List
 
 import pytest
 
-from kobold_backend.engine.tokenizer import encode_tail, load_tokenizer
+from kobold_backend.engine.tokenizer import encode_tail, load_tokenizer, surely_longer_than
 from kobold_backend.server.schemas import fit_prompt
 from tests.test_tokenizer import TEXTS, reference
 
@@ -92,3 +92,20 @@ def test_fit_prompt_keeps_its_rules(tok: Any) -> None:
             room = keep - len(mem)
             want = bos + mem + body[len(body) - room:]
         assert fit_prompt(ours, memory, prompt, budget) == want
+
+
+def test_surely_longer_than_is_a_true_lower_bound(tok: Any) -> None:
+    """Chat prompts are refused before tokenizing when their length alone proves they cannot fit: whenever the
+    bound says so, the real token count is larger."""
+    oracle, ours = tok
+    rng = random.Random(11)
+    decided = 0
+    for _ in range(60):
+        text = random_text(rng, rng.randint(1, 2000))
+        n = len(oracle(text))
+        for limit in (1, 5, n // 8, n // 2, n - 1, n):
+            if surely_longer_than(ours, text, limit):
+                decided += 1
+                assert n > limit
+    assert decided > 0
+    assert surely_longer_than(ours, "x" * 10_000_000, 4096)

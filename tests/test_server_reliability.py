@@ -254,3 +254,17 @@ def test_idle_half_open_sockets_do_not_lock_clients_out(app: Any) -> None:
             for s in idle:
                 s.close()
 
+
+
+def test_a_huge_chat_is_refused_before_it_is_tokenized(ckpt: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kobold_backend.server.chat_template import ChatFormatter
+
+    monkeypatch.setattr(ChatFormatter, "encode", lambda self, text: pytest.fail("the 10 MB chat was tokenized"))
+    app = create_app(ServerConfig(chat_template="{% for m in messages %}{{ m.content }}{% endfor %}"),
+                     make_holder(ckpt.path))
+    try:
+        body = {"messages": [{"role": "user", "content": "word " * 2_000_000}], "max_tokens": 4}
+        resp = app.test_client().post("/v1/chat/completions", json=body)
+        assert resp.status_code == 400 and resp.get_json()["error"]["code"] == "context_length_exceeded"
+    finally:
+        app.extensions["kobold_backend"].close()

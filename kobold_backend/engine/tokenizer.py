@@ -248,6 +248,20 @@ def chat_template(folder: str | Path) -> Optional[str]:
     return template if isinstance(template, str) else None
 
 
+# Special tokens are written as text such as "<|eot_id|>" and count as one token: no such text is longer than this.
+SPECIAL_TEXT_BYTES = 64
+
+
+def surely_longer_than(tokenizer: Tokenizer, text: str, limit: int) -> bool:
+    """True when `text` certainly tokenizes to more than `limit` tokens, decided without tokenizing it: no token
+    covers more bytes than the longest piece of the vocabulary (or a special token's text)."""
+    widest = getattr(tokenizer, "_widest_token", None)
+    if widest is None:
+        widest = max([SPECIAL_TEXT_BYTES] + [len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)])
+        tokenizer._widest_token = widest  # type: ignore[attr-defined]
+    return len(text) > limit * widest or len(text.encode("utf-8", "surrogatepass")) > limit * widest
+
+
 # encode_tail: the first window is this many characters per kept token (text averages about four).
 TAIL_CHARS_PER_TOKEN = 8
 TAIL_MIN_CHARS = 256
