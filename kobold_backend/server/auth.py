@@ -91,9 +91,11 @@ def install_auth_and_cors(app: Flask, config: ServerConfig) -> None:
     @app.before_request
     def _check_host_and_origin() -> Any:
         if not host_allowed(config.host, request.headers.get("Host", "")):
-            return error_response(403, {"detail": {"msg": "This server answers only to localhost names on a "
-                                                          "loopback bind (Host header refused).",
-                                                   "type": "forbidden"}})
+            msg = "This server answers only to localhost names on a loopback bind (Host header refused)."
+            if request.path.startswith("/v1/"):
+                return error_response(403, {"error": {"message": msg, "type": "invalid_request_error",
+                                                      "param": None, "code": "forbidden"}})
+            return error_response(403, {"detail": {"msg": msg, "type": "forbidden"}})
         if cross_site_simple(request.method, request.path, request.headers.get("Content-Type", ""), request.headers):
             return error_response(415, {"detail": {"msg": "Send this request with Content-Type: application/json "
                                                           f"(or an {CUSTOM_HEADER} header).",
