@@ -4,9 +4,9 @@ page with waitress (kobold_backend/server builds the app; this module is the com
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Any, Tuple
 
@@ -50,20 +50,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted."""
     from kobold_backend.cli_split import split_from_args
     from kobold_backend.progress import stderr_progress
     from kobold_backend.server.app import create_app
+    from kobold_backend.server.auth import is_loopback
     from kobold_backend.server.config import ServerConfig
     from kobold_backend.server.engine_holder import EngineHolder
     from kobold_backend.server.wsgi import WaitressServer
@@ -110,7 +102,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           cors_origins=tuple(args.cors_origins), max_queue=args.queue,
                           models_dir=args.models_dir, default_max_length=max(1, args.max_length),
                           passthrough=passthrough, chat_template=chat_template)
-    if not _is_loopback(args.host) and not config.api_key:
+    if not is_loopback(args.host) and not config.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                     args.host)
     app = create_app(config, holder)
@@ -118,8 +110,23 @@ def run_serve(args: argparse.Namespace) -> int:
     log.info("model %s ready: context %d tokens", active.name, active.max_context)
     log.info("serving on %s/ (KoboldAI API at %s/api, KoboldCpp extras at %s/api/extra)",
              server.url, server.url, server.url)
+    previous = _stop_on_sigterm()
     try:
         server.serve_forever()
+    except KeyboardInterrupt:
+        log.info("stopping: running generations end with their final event")
     finally:
         server.shutdown()
+        signal.signal(signal.SIGTERM, previous)
+        log.info("stopped")
     return 0
+
+
+def _stop_on_sigterm() -> Any:
+    """SIGTERM (systemd, Docker) stops the server the way Ctrl-C does; returns the handler it replaced."""
+
+    def handler(signum: int, frame: Any) -> None:
+        log.info("SIGTERM received")
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, handler)

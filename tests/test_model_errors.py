@@ -47,13 +47,13 @@ def gpt2_model_type(folder: Path) -> None:
     _edit_json(folder / "config.json", model_type="gpt2", architectures=["GPT2LMHeadModel"])
 
 
-def eight_bit_gptq(folder: Path) -> None:
-    _edit_json(folder / "quantize_config.json", bits=8)
+def three_bit_gptq(folder: Path) -> None:
+    _edit_json(folder / "quantize_config.json", bits=3)
 
 
-def awq(folder: Path) -> None:
+def awq_gemv(folder: Path) -> None:
     (folder / "quantize_config.json").unlink()
-    awq_config = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
+    awq_config = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv", "zero_point": True}
     _edit_json(folder / "config.json", quantization_config=awq_config)
 
 
@@ -93,8 +93,8 @@ CASES = {
     "missing tensor": ("dense_fp16", missing_tensor, ["model.layers.1.mlp.up_proj"]),
     "wrong shape": ("dense_fp16", wrong_shape, ["model.layers.0.self_attn.k_proj.weight", "shape"]),
     "unsupported model_type": ("dense_fp16", gpt2_model_type, ["gpt2"]),
-    "8-bit GPTQ": ("gptq_v1_sym_g32", eight_bit_gptq, ["8", "bit"]),
-    "AWQ": ("gptq_v1_sym_g32", awq, ["awq"]),
+    "3-bit GPTQ": ("gptq_v1_sym_g32", three_bit_gptq, ["3", "bits", "4 and 8"]),
+    "AWQ GEMV": ("gptq_v1_sym_g32", awq_gemv, ["awq", "gemv"]),
     "EXL2": ("gptq_v1_sym_g32", exl2, ["exl2"]),
     "GGUF only": ("dense_fp16", gguf_only, ["gguf"]),
     "missing tokenizer": ("dense_fp16", missing_tokenizer, ["tokenizer"]),

@@ -522,8 +522,9 @@ def test_openapi_lists_every_api_route(app: Any, client: Any) -> None:
     assert doc["openapi"].startswith("3.")
     documented = {(path, method.upper()) for path, ops in doc["paths"].items() for method in ops}
     for rule in app.url_map.iter_rules():
-        path = rule.rule
-        if not (path.startswith("/api/v1/") or path.startswith("/api/extra/")) or path.endswith("openapi.json"):
+        path = re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule)
+        served = path.startswith(("/api/v1/", "/api/extra/", "/v1/")) and path != "/v1/{rest}"
+        if not served or path.endswith("openapi.json"):
             continue
         for method in rule.methods - {"HEAD", "OPTIONS"}:
             assert (path, method) in documented, (path, method)
@@ -531,3 +532,11 @@ def test_openapi_lists_every_api_route(app: Any, client: Any) -> None:
     for name in ("prompt", "max_length", "min_p", "dry_multiplier", "xtc_probability", "stop_sequence",
                  "sampler_seed", "trim_stop", "memory", "genkey", "banned_tokens", "logit_bias"):
         assert name in props
+    # What the server accepts: null for any field, bodies required only where they carry required fields.
+    assert all(p.get("nullable") is True for p in props.values())
+    abort = doc["paths"]["/api/extra/abort"]["post"]["requestBody"]
+    assert abort["required"] is False and abort["content"]["application/json"]["schema"]["required"] == []
+    assert doc["paths"]["/api/v1/generate"]["post"]["requestBody"]["required"] is True
+    v1 = doc["components"]["schemas"]["CompletionInput"]["properties"]
+    for name in ("prompt", "max_tokens", "stop", "seed", "temperature", "min_p", "stream", "response_format"):
+        assert name in v1

@@ -105,3 +105,28 @@ def test_serve_rejects_missing_models_dir(tmp_path: Path) -> None:
                           text=True, timeout=60)
     assert proc.returncode == 2
     assert "is not a folder" in proc.stderr
+
+
+def test_sigterm_ends_streams_with_their_final_event(checkpoints: Any) -> None:
+    """systemd and Docker stop with SIGTERM: like Ctrl-C, a running stream gets its final event, the server logs
+    it and exits 0 (it used to die at once with 143, cutting streams)."""
+    ckpt = checkpoints.get("dense_fp32")
+    proc, url, lines = start_serve(["--model", str(ckpt.path), "--port", str(free_port()), "--device", "cpu",
+                                    "--max-context", "512"])
+    try:
+        body = {"prompt": "Once", "max_length": 500, "use_default_badwordsids": True}
+        with requests.post(url + "/api/extra/generate/stream", json=body, stream=True, timeout=30) as resp:
+            events = resp.iter_lines(decode_unicode=True)
+            first = next(line for line in events if line.startswith("data:"))
+            assert '"finish_reason": "null"' in first
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in events if line.startswith("data:")]
+        assert rest and '"finish_reason": "null"' not in rest[-1]
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.stdout is not None
+    log = "".join(lines) + proc.stdout.read()
+    assert "SIGTERM received" in log and "stopped" in log

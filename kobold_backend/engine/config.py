@@ -16,6 +16,14 @@ from kobold_backend.errors import ModelFormatError
 if TYPE_CHECKING:
     from kobold_backend.engine.architectures import Architecture, Features, RopeSpec
 
+# Sanity bounds on config.json sizes, far above any released model (Llama 3.1 405B: 126 layers, hidden 16384,
+# 128 heads, vocab 128256), checked before anything is allocated from them.
+CONFIG_BOUNDS = {
+    "num_hidden_layers": 1024, "hidden_size": 1 << 17, "intermediate_size": 1 << 20,
+    "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 4096, "vocab_size": 1 << 23,
+    "max_position_embeddings": 1 << 24,
+}
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -95,8 +103,8 @@ class ModelConfig:
             gguf = sorted(folder.glob("*.gguf"))
             if gguf:
                 raise ModelFormatError(
-                    f"{folder} holds a GGUF file ({gguf[0].name}) but no config.json; GGUF models are not "
-                    "supported: use a safetensors (dense or GPTQ) checkpoint, or KoboldCpp for GGUF."
+                    f"{folder} holds a GGUF file ({gguf[0].name}) but no config.json; give the .gguf file itself "
+                    f"as the model ({folder / gguf[0].name})."
                 )
             raise ModelFormatError(f"{folder} has no config.json; it is not a Hugging Face model folder.")
         raw = _read_json(cfg_path)
@@ -116,10 +124,21 @@ class ModelConfig:
             layers = int(raw["num_hidden_layers"])
             heads = int(raw["num_attention_heads"])
             vocab = int(raw["vocab_size"])
+            for key, value in (("hidden_size", hidden), ("intermediate_size", inter), ("num_hidden_layers", layers),
+                               ("num_attention_heads", heads), ("vocab_size", vocab)):
+                _check_bound(where, key, value)
+            kv_heads = int(raw.get("num_key_value_heads") or heads)
+            head_dim = int(raw.get("head_dim") or hidden // heads)
+            max_pos = int(raw.get("max_position_embeddings", 2048))
         except KeyError as exc:
             raise ModelFormatError(f"{where}: config.json lacks the required key {exc.args[0]!r}.") from None
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
-        head_dim = int(raw.get("head_dim") or hidden // heads)
+        except ModelFormatError:
+            raise
+        except (TypeError, ValueError, OverflowError):
+            raise ModelFormatError(f"{where}: config.json holds a size that is not a whole number.") from None
+        for key, value in (("num_key_value_heads", kv_heads), ("head_dim", head_dim),
+                           ("max_position_embeddings", max_pos)):
+            _check_bound(where, key, value)
         if heads % kv_heads:
             raise ModelFormatError(
                 f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}."
@@ -138,7 +157,7 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta(raw),
             rope_scaling=parse_rope_scaling(raw, rope_settings(raw), head_dim, where),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=bos,
             eos_token_ids=eos,
@@ -166,6 +185,12 @@ def _complete(features: Features, config: ModelConfig) -> Features:
         raise ModelFormatError(f"{config.model_type}: the description gives per-layer settings for "
                                f"{len(windows)}/{len(ropes)} layers, the config has {n}.")
     return replace(features, windows=tuple(windows), ropes=tuple(ropes))
+
+
+def _check_bound(where: str, key: str, value: int) -> None:
+    if not 1 <= value <= CONFIG_BOUNDS[key]:
+        raise ModelFormatError(f"{where}: {key} {value} is outside 1..{CONFIG_BOUNDS[key]}; config.json is not a "
+                               "model this engine can load.")
 
 
 def _read_json(path: Path) -> Dict[str, Any]:

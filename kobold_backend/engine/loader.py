@@ -104,13 +104,17 @@ def load_model(
         config = ModelConfig.from_dir(folder)
         tokenizer = load_tokenizer(folder, config.bos_token_id, config.eos_token_ids) if with_tokenizer else None
         reader = WeightReader(folder)
-    main = resolve_device(device)
-    compute_dtype = resolve_dtype(dtype, main, config)
-    if layer_devices is not None and len(layer_devices) != config.num_layers:
-        raise ValueError(f"layer_devices has {len(layer_devices)} entries for {config.num_layers} layers")
-    per_layer = [resolve_device(d) for d in layer_devices] if layer_devices else [main] * config.num_layers
-    seq_len = max_seq_len or min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     with reader:
+        main = resolve_device(device)
+        compute_dtype = resolve_dtype(dtype, main, config)
+        if layer_devices is not None and len(layer_devices) != config.num_layers:
+            raise ValueError(f"layer_devices has {len(layer_devices)} entries for {config.num_layers} layers")
+        seq_len = max_seq_len or min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+        if seq_len < 1:
+            raise ValueError(f"max_seq_len must be at least 1, not {seq_len}")
+        check_against_headers(config, reader)
+        per_layer = [resolve_device(d) for d in layer_devices] if layer_devices else [main] * config.num_layers
+        check_cache_memory(config, per_layer, compute_dtype, seq_len)
         model = _build(reader, config, main, per_layer, compute_dtype, seq_len, embed_on_cpu,
                        rope_alpha, compress_pos_emb, progress)
     fmt = describe(config, model.layers)
@@ -118,6 +122,51 @@ def load_model(
              config.num_layers, model.nbytes / 1e6, main)
     return LoadedModel(model=model, tokenizer=tokenizer,  # type: ignore[arg-type]
                        config=config, path=folder, name=folder.name, weight_format=fmt)
+
+
+def context_limit(config: ModelConfig, rope_alpha: float = 1.0, compress_pos_emb: float = 1.0) -> int:
+    """The most positions a load may ask for: the trained context times the largest RoPE stretch in use (linear
+    rope_scaling, NTK alpha, compress_pos_emb). llama3 scaling already states the stretched length."""
+    factor = max(1.0, float(rope_alpha), float(compress_pos_emb))
+    if config.rope_scaling is not None and config.rope_scaling.rope_type == "linear":
+        factor = max(factor, config.rope_scaling.factor)
+    return int(config.max_position_embeddings * factor)
+
+
+def check_against_headers(config: ModelConfig, reader: Union[WeightReader, GGUFWeights]) -> None:
+    """config.json against the safetensors headers before anything is allocated from its sizes: the layer count
+    and the embedding shape must be those of the tensors in the files."""
+    layers = {int(name.split(".")[2]) for name in reader.names()
+              if name.startswith("model.layers.") and name.split(".")[2].isdigit()}
+    if layers != set(range(config.num_layers)):
+        raise ModelFormatError(
+            f"config.json says num_hidden_layers {config.num_layers} but the checkpoint in {reader.folder} holds "
+            f"{len(layers)} layers.")
+    reader.get_shape_checked("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+
+
+def _available_bytes(device: torch.device) -> Optional[int]:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
+
+
+def check_cache_memory(config: ModelConfig, per_layer: Sequence[torch.device], dtype: torch.dtype,
+                       seq_len: int) -> None:
+    """Refuse a context whose KV cache alone is larger than the free memory of a device it would go on."""
+    need: Dict[torch.device, int] = {}
+    for dev in per_layer:
+        size = torch.tensor([], dtype=_dtype_for(dev, dtype)).element_size()
+        need[dev] = need.get(dev, 0) + 2 * config.num_kv_heads * config.head_dim * seq_len * size
+    for dev, nbytes in need.items():
+        free = _available_bytes(dev)
+        if free is not None and nbytes > free:
+            raise ValueError(f"a context of {seq_len} tokens needs {nbytes / 2**30:.1f} GiB of KV cache on {dev} "
+                             f"but {free / 2**30:.1f} GiB are free; choose a smaller context")
 
 
 def _dtype_for(device: torch.device, compute: torch.dtype) -> torch.dtype:

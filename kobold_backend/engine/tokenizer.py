@@ -433,3 +433,43 @@ def load_tokenizer(
         raise ModelFormatError(f"{folder} has no tokenizer (expected tokenizer.json or tokenizer.model).")
     tokenizer.chat_template = config.chat_template
     return tokenizer
+
+
+# Special tokens are written as text such as "<|eot_id|>" and count as one token: no such text is longer than this.
+SPECIAL_TEXT_BYTES = 64
+
+
+def surely_longer_than(tokenizer: Tokenizer, text: str, limit: int) -> bool:
+    """True when `text` certainly tokenizes to more than `limit` tokens, decided without tokenizing it: no token
+    covers more bytes than the longest piece of the vocabulary (or a special token's text)."""
+    widest = getattr(tokenizer, "_widest_token", None)
+    if widest is None:
+        widest = max([SPECIAL_TEXT_BYTES] + [len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)])
+        tokenizer._widest_token = widest  # type: ignore[attr-defined]
+    return len(text) > limit * widest or len(text.encode("utf-8", "surrogatepass")) > limit * widest
+
+
+# encode_tail: the first window is this many characters per kept token (text averages about four).
+TAIL_CHARS_PER_TOKEN = 8
+TAIL_MIN_CHARS = 256
+
+
+def encode_tail(tokenizer: Tokenizer, text: str, keep: int) -> Tuple[List[int], bool]:
+    """(the last `keep` ids of tokenizer.encode(text), whether those are all of its ids), tokenizing only a suffix
+    of `text` when it is long: the window doubles until two windows of different start agree on the last `keep`
+    ids (a tokenization resynchronises a few tokens after wherever the text is cut), or covers the whole text.
+    The work is bounded by the kept part, not by the length of the text."""
+    if keep <= 0:
+        return [], not text
+    size = max(TAIL_MIN_CHARS, TAIL_CHARS_PER_TOKEN * keep)
+    previous: Optional[List[int]] = None
+    while size < len(text):
+        ids = tokenizer.encode(text[len(text) - size:], add_bos=False)
+        if len(ids) > keep + 1:  # the window's first token may be a piece cut by the window, never among those kept
+            tail = ids[len(ids) - keep:]
+            if tail == previous:
+                return tail, False
+            previous = tail
+        size *= 2
+    ids = tokenizer.encode(text, add_bos=False)
+    return ids[max(0, len(ids) - keep):], len(ids) <= keep

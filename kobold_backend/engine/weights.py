@@ -77,15 +77,17 @@ class WeightReader:
         handle = self._handle(name)
         return tuple(handle.get_slice(name).get_shape())  # type: ignore[attr-defined]
 
+    def get_shape_checked(self, name: str, shape: Sequence[int]) -> None:
+        """A ModelFormatError naming the tensor when its header's shape is not `shape` (nothing is read)."""
+        found = self.shape(name)
+        if tuple(found) != tuple(shape):
+            raise ModelFormatError(f"Tensor {name} has shape {list(found)} but the config implies {list(shape)}.")
+
     def get(self, name: str, shape: Optional[Sequence[int]] = None) -> torch.Tensor:
         """Read one tensor; when `shape` is given, a mismatch is a ModelFormatError naming the tensor."""
         handle = self._handle(name)
         if shape is not None:
-            found = self.shape(name)
-            if tuple(found) != tuple(shape):
-                raise ModelFormatError(
-                    f"Tensor {name} has shape {list(found)} but the config implies {list(shape)}."
-                )
+            self.get_shape_checked(name, shape)
         try:
             return handle.get_tensor(name)  # type: ignore[attr-defined]
         except Exception as exc:

@@ -8,13 +8,16 @@ from flask import Blueprint, Response, jsonify, stream_with_context
 
 from kobold_backend import __version__
 from kobold_backend.server import passthrough, sse
+from kobold_backend.server.errors import BadJson
 from kobold_backend.server.generation import generation_job
-from kobold_backend.server.queue import Job
+from kobold_backend.server.queue import Job, ServiceBusy
 from kobold_backend.server.schemas import parse_generate
 from kobold_backend.server.state import client_disconnected, get_state, read_json
 
 # Lite and SillyTavern gate features on this: SSE >= 1.40, memory/trim_stop >= 1.49, DRY >= 1.70, XTC >= 1.74.
 KOBOLDCPP_VERSION = "1.76"
+# How long a tokencount waits for the one tokenizing slot before it is answered 503.
+TOKENIZE_WAIT_SECONDS = 30.0
 
 bp = Blueprint("api_extra", __name__)
 
@@ -85,7 +88,7 @@ def abort() -> Any:
 def _token_body() -> Any:
     try:
         body = read_json(empty={})
-    except Exception:
+    except BadJson:
         return None
     return body if isinstance(body, dict) and isinstance(body.get("prompt"), str) else None
 
@@ -96,10 +99,18 @@ def tokencount() -> Any:
     body = _token_body()
     if body is None:
         return jsonify({"value": -1, "ids": []}), 400
-    tokenizer = get_state().require_model().tokenizer
-    ids = list(tokenizer.encode(body["prompt"], add_bos=False))
+    state = get_state()
+    tokenizer = state.require_model().tokenizer
+    # Tokenizing runs on the request thread, outside the generation queue: one at a time bounds the memory and
+    # CPU a client can take with large texts (a 30 MB text takes seconds and over a GB while it is counted).
+    if not state.tokenize_slot.acquire(timeout=TOKENIZE_WAIT_SECONDS):
+        raise ServiceBusy("another text is being tokenized")
+    try:
+        ids = list(tokenizer.encode(body["prompt"], add_bos=False))
+    finally:
+        state.tokenize_slot.release()
     if body.get("special", True) is not False:
-        ids = [int(i) for i in getattr(tokenizer, "prefix_ids", ())] + ids
+        ids = [int(i) for i in tokenizer.prefix_ids] + ids
     return jsonify({"value": len(ids), "ids": ids})
 
 
@@ -107,7 +118,7 @@ def tokencount() -> Any:
 def detokenize() -> Any:
     try:
         body = read_json(empty={})
-    except Exception:
+    except BadJson:
         body = None
     ids = body.get("ids") if isinstance(body, dict) else None
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):

@@ -8,7 +8,6 @@ from flask import Blueprint, jsonify
 
 from kobold_backend.server import models as model_files
 from kobold_backend.server import passthrough
-from kobold_backend.server.errors import ApiError
 from kobold_backend.server.generation import RunResult, generation_job
 from kobold_backend.server.openapi import openapi_document
 from kobold_backend.server.queue import Job
@@ -51,12 +50,11 @@ def put_model() -> Any:
     body = read_json(empty={})
     if not isinstance(body, dict) or not isinstance(body.get("model"), str) or not body["model"]:
         raise ValidationFailed({"model": ["Missing data for required field."]})
+    models_dir = model_files.require_models_dir(state.config)
     if body["model"] == "ReadOnly":
         job = Job(lambda job: state.holder.unload())
     else:
-        if state.config.models_dir is None:
-            raise ApiError("Loading models over the API needs --models-dir.", 501, "not_implemented")
-        path = model_files.resolve_model(state.config.models_dir, body["model"])
+        path = model_files.resolve_model(models_dir, body["model"])
         job = Job(model_files.load_job(state.holder, path, None))
     state.queue.submit(job)
     job.wait(lambda: False)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
-from dataclasses import dataclass
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
@@ -23,6 +25,7 @@ class ActiveModel:
     path: Path
     is_demo: bool
     max_context: int
+    load_kwargs: Dict[str, Any] = field(default_factory=dict, compare=False)  # what reloads it after a failed swap
 
     @property
     def tokenizer(self) -> Any:
@@ -52,33 +55,63 @@ class EngineHolder:
         return self._active
 
     def load(self, path: Path, **overrides: Any) -> ActiveModel:
-        """Unload the current model, then load the folder at `path` with the default kwargs plus overrides."""
-        from kobold_backend.engine.generator import Generator
+        """Load the folder at `path` with the default kwargs plus overrides, in place of the current model.
 
-        loader = self._loader
-        if loader is None:
-            from kobold_backend.engine.loader import load_model as loader
+        The current model is released first (two models rarely fit in one GPU). When the new one fails, the memory
+        its partial load took is freed, the previous model is loaded again, and the error is raised: a failed
+        load leaves the server serving what it served before."""
         kwargs = dict(self.load_kwargs)
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         path = Path(path).resolve()
         with self._lock:
             self.loading = path.name
+            old = self._active
+            previous = None if old is None else (old.path, dict(old.load_kwargs), old.name)
+            del old  # nothing here may keep the old model's KV cache alive while the new one loads
             try:
                 self._unload_locked()
-                log.info("loading %s (%s)", path, ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())))
-                lm = loader(path, **kwargs)
-                active = ActiveModel(
-                    lm=lm,
-                    generator=Generator(lm.model, lm.tokenizer),
-                    name=lm.name,
-                    path=path,
-                    is_demo=self.demo_path is not None and path == self.demo_path,
-                    max_context=int(lm.model.max_seq_len),
-                )
-                self._active = active
-                return active
+                try:
+                    return self._load_locked(path, kwargs)
+                except BaseException as exc:
+                    _release_failed_load(exc)
+                    if previous is not None:
+                        self._restore_locked(*previous)
+                    raise
             finally:
                 self.loading = None
+
+    def _load_locked(self, path: Path, kwargs: Dict[str, Any]) -> ActiveModel:
+        from kobold_backend.engine.generator import Generator
+
+        loader = self._loader
+        if loader is None:
+            from kobold_backend.engine.loader import load_model as loader
+        log.info("loading %s (%s)", path, ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())))
+        lm = loader(path, **kwargs)
+        try:
+            generator = Generator(lm.model, lm.tokenizer)
+        except BaseException:
+            lm.unload()
+            raise
+        active = ActiveModel(
+            lm=lm,
+            generator=generator,
+            name=lm.name,
+            path=path,
+            is_demo=self.demo_path is not None and path == self.demo_path,
+            max_context=int(lm.model.max_seq_len),
+            load_kwargs={k: v for k, v in kwargs.items() if k != "progress"},
+        )
+        self._active = active
+        return active
+
+    def _restore_locked(self, path: Path, kwargs: Dict[str, Any], name: str) -> None:
+        log.warning("loading the previous model %s again", name)
+        try:
+            self._load_locked(path, kwargs)
+        except Exception as exc:  # noqa: BLE001 - the first error is the one the client gets
+            _release_failed_load(exc)
+            log.error("the previous model %s could not be loaded again: %s", name, exc)
 
     def unload(self) -> None:
         """Free the current model (United's "ReadOnly")."""
@@ -92,3 +125,18 @@ class EngineHolder:
             unload = getattr(old.lm, "unload", None)
             if unload is not None:
                 unload()
+
+
+def _release_failed_load(exc: BaseException) -> None:
+    """Free what a failed load allocated: the tensors live on in the frames of the exception's traceback until
+    those are cleared, then the allocator's cached blocks go back to the device."""
+    traceback.clear_frames(exc.__traceback__)
+    context = exc.__context__
+    while context is not None:
+        traceback.clear_frames(context.__traceback__)
+        context = context.__context__
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

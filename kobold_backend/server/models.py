@@ -9,14 +9,42 @@ from typing import Any, Callable, Dict, List, Optional
 from kobold_backend.errors import ModelFormatError, RequestError
 from kobold_backend.server.errors import ApiError
 from kobold_backend.server.queue import Job
+from kobold_backend.server.text_checks import bad_text_position
 
 DEMO_ID = "__demo__"
 
 
-def resolve_model(models_dir: Path, name: str) -> Path:
+# A model name is `name` or `org/name`; longer ones are not folder names this server lists.
+MAX_MODEL_NAME = 512
+
+
+def check_model_name(name: object) -> str:
+    """The one check of a model name from a client (PUT /api/v1/model, /ui/load, /ui/parameters) before it
+    touches the file system: a non-empty string of valid Unicode without NUL or other control characters."""
+    if not isinstance(name, str) or not name:
+        raise ApiError("The model name must be a non-empty string.", 422, "bad_input")
+    if len(name) > MAX_MODEL_NAME:
+        raise ApiError(f"The model name is longer than {MAX_MODEL_NAME} characters.", 422, "bad_input")
+    if bad_text_position(name) is not None or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise ApiError("The model name holds a NUL, a control character or invalid Unicode.", 422, "bad_input")
+    return name
+
+
+def require_models_dir(config: Any) -> Path:
+    """The --models-dir folder; without it every model-management route answers 501 (docs/serve.md)."""
+    if config.models_dir is None:
+        raise ApiError("Loading and unloading models over the API needs --models-dir.", 501, "not_implemented")
+    return Path(config.models_dir)
+
+
+def resolve_model(models_dir: Path, name: object) -> Path:
     """The real path of a model folder named by a client; it must lie inside models_dir."""
+    name = check_model_name(name)
     root = os.path.realpath(str(models_dir))
-    candidate = os.path.realpath(os.path.join(root, name))
+    try:
+        candidate = os.path.realpath(os.path.join(root, name))
+    except (ValueError, OSError):
+        raise ApiError("The model name is not a valid path.", 422, "bad_input") from None
     if os.path.commonpath([root, candidate]) != root or candidate == root:
         raise ApiError("The model path must name a folder inside the models folder.", 403, "forbidden")
     if not os.path.isfile(os.path.join(candidate, "config.json")):
@@ -51,6 +79,22 @@ def load_kwargs(parameters: Dict[str, Any], model_path: Path) -> Dict[str, Any]:
     return dict(load_options.planned_load_options(parameters, model_path).load_kwargs())
 
 
+def check_context(kwargs: Dict[str, Any], model_path: Path) -> None:
+    """A requested context (max_ctx) must be at least 1 and at most the model's trained context times its RoPE
+    stretch; the loader then checks that its KV cache fits in free memory."""
+    seq = kwargs.get("max_seq_len")
+    if seq is None:
+        return
+    from kobold_backend.engine.config import ModelConfig
+    from kobold_backend.engine.loader import context_limit
+
+    limit = context_limit(ModelConfig.from_dir(model_path), kwargs.get("rope_alpha", 1.0),
+                          kwargs.get("compress_pos_emb", 1.0))
+    if not 1 <= int(seq) <= limit:
+        raise RequestError(f"max_ctx must be between 1 and {limit} for this model (its trained context times "
+                           "the RoPE scaling in use)", "max_ctx")
+
+
 def load_job(holder: Any, path: Optional[Path], parameters: Optional[Dict[str, Any]]) -> Callable[[Job], None]:
     """A worker job loading `path` (None: the demo model, built on first use). `parameters` are the web page's
     values keyed by parameter id; None keeps the server's own load settings."""
@@ -64,10 +108,11 @@ def load_job(holder: Any, path: Optional[Path], parameters: Optional[Dict[str, A
             holder.demo_path = target.resolve()
         try:
             kwargs = load_kwargs(parameters, target) if parameters is not None else {}
+            check_context(kwargs, target)
             holder.load(target, **kwargs)
         except RequestError:
-            raise
-        except (ModelFormatError, ValueError, RuntimeError, OSError) as e:  # PlanError is a ValueError
+            raise  # a bad parameter: 422 naming the field
+        except (ModelFormatError, ValueError, RuntimeError, OSError, MemoryError) as e:  # PlanError is a ValueError
             raise ApiError(f"Loading {target.name} failed: {e}", 422, "load_error") from None
 
     return run

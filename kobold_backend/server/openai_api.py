@@ -193,8 +193,14 @@ def _plan(state: ServerState, active: ActiveModel, req: OpenAIRequest) -> List[C
     """The choices in answer order: prompt p's j-th choice has index p * n + j and seed first_seed + j."""
     params = req.params
     if req.chat:
+        from kobold_backend.engine.tokenizer import surely_longer_than
+
         formatter = _formatter(state, active)
-        ids = formatter.encode(formatter.render(req.messages))
+        text = formatter.render(req.messages)
+        if surely_longer_than(active.tokenizer, text, active.max_context):
+            raise OpenAIError(f"This model's context holds {active.max_context} tokens; the messages take more.",
+                              400, "messages", "context_length_exceeded")
+        ids = formatter.encode(text)
         prompts = [(ids, chat_lengths(params, ids, active.max_context))]
     else:
         prompts = [completion_prompt(params, p, active.tokenizer, active.max_context) for p in req.prompts]

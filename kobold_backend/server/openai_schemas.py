@@ -14,6 +14,7 @@ from kobold_backend.server.schemas import (
     GenerateParams,
     ValidationFailed,
     effective_lengths,
+    field_schemas,
     fit_prompt,
     parse_generate,
     sampler_settings,
@@ -308,3 +309,40 @@ def engine_request(params: GenerateParams, prompt_ids: List[int], max_new: int, 
 def openai_finish_reason(reason: Optional[str]) -> str:
     """"stop" for EOS and stop strings; "length" for the token limit (and an aborted generation)."""
     return "stop" if reason in ("stop", "stop_string") else "length"
+
+
+# -- OpenAPI ------------------------------------------------------------------------------------------------------
+
+def openapi_schemas() -> Dict[str, Any]:
+    """CompletionInput and ChatCompletionInput: the KoboldAI field table under the names _sampler_params reads
+    (RENAMES included, EXCLUDED left out), plus the OpenAI keys parse_completion and parse_chat check."""
+    sampler = field_schemas(tuple(f for f in FIELDS if f.name not in EXCLUDED), RENAMES)
+    ids = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+    common: Dict[str, Any] = dict(sampler, **{
+        "model": {"type": "string", "nullable": True, "description": "Ignored: the loaded model answers."},
+        "stream": {"type": "boolean", "nullable": True},
+        "stream_options": {"type": "object", "nullable": True, "properties": {"include_usage": {"type": "boolean"}},
+                           "description": "Only with stream=true."},
+        "echo": {"type": "boolean", "nullable": True, "description": "Only false is supported."},
+        "suffix": {"type": "string", "nullable": True, "description": "Only empty is supported."},
+        "best_of": {"type": "integer", "nullable": True, "description": "Only 1 is supported."},
+        "response_format": {"type": "object", "nullable": True, "description": "text, json_object or json_schema "
+                            "({\"json_schema\": {\"schema\": {...}}}): the output is constrained to it."},
+        "user": {"type": "string", "nullable": True},
+    })
+    completion = dict(common, prompt={"oneOf": [
+        {"type": "string"}, {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": {"type": "string"}},
+        ids, {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": ids}]})
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string", "enum": [*ROLES, "developer"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]},
+        "name": {"type": "string"}}}
+    chat = dict(common, messages={"type": "array", "minItems": 1, "items": message})
+    return {
+        "CompletionInput": {"type": "object", "required": ["prompt"], "properties": completion,
+                            "additionalProperties": True},
+        "ChatCompletionInput": {"type": "object", "required": ["messages"], "properties": chat,
+                                "additionalProperties": True},
+    }

@@ -371,18 +371,19 @@ def effective_lengths(params: GenerateParams, server_context: int, default_max_l
 
 def fit_prompt(tokenizer: Any, memory: str, prompt: str, budget: int) -> List[int]:
     """Token ids of BOS (when the tokenizer adds one) + memory + prompt in at most `budget` tokens; the prompt
-    loses tokens from its front first, then the memory does."""
-    bos = [int(i) for i in getattr(tokenizer, "prefix_ids", ())]
-    ids = bos + list(tokenizer.encode(memory + prompt, add_bos=False))
-    if len(ids) <= budget:
-        return ids
-    mem = list(tokenizer.encode(memory, add_bos=False)) if memory else []
-    body = list(tokenizer.encode(prompt, add_bos=False))
-    room = budget - len(bos) - len(mem)
-    if room < 0:
-        keep = max(0, budget - len(bos))
-        return bos + (mem[len(mem) - keep:] if keep else [])
-    return bos + mem + (body[len(body) - room:] if room else [])
+    loses tokens from its front first, then the memory does. Texts are tokenized from their end
+    (engine.tokenizer.encode_tail), so a prompt far longer than the context costs what the kept part costs."""
+    from kobold_backend.engine.tokenizer import encode_tail
+
+    bos = [int(i) for i in tokenizer.prefix_ids]
+    keep = max(0, budget - len(bos))
+    joint, whole = encode_tail(tokenizer, memory + prompt, keep)
+    if whole:
+        return bos + joint
+    mem, _ = encode_tail(tokenizer, memory, keep) if memory else ([], True)
+    room = keep - len(mem)
+    body, _ = encode_tail(tokenizer, prompt, room)
+    return bos + mem + body
 
 
 def grammar_constraint(params: GenerateParams, tokenizer: Any) -> Any:
@@ -433,12 +434,18 @@ def kobold_finish_reason(reason: Optional[str]) -> str:
 
 def openapi_schema() -> Dict[str, Any]:
     """JSON Schema of the generation body, derived from FIELDS."""
-    props: Dict[str, Any] = {}
-    for f in FIELDS:
-        for name in (f.name, *f.aliases):
-            props[name] = _field_schema(f, alias_of=f.name if name != f.name else None)
-    return {"type": "object", "required": [f.name for f in FIELDS if f.required], "properties": props,
+    return {"type": "object", "required": [f.name for f in FIELDS if f.required], "properties": field_schemas(FIELDS),
             "additionalProperties": True}
+
+
+def field_schemas(fields: Tuple[Field, ...], renames: Optional[Dict[str, Tuple[str, ...]]] = None) -> Dict[str, Any]:
+    """The OpenAPI property of every name a field is accepted under (its name, aliases and `renames`); null is
+    allowed everywhere because parse_generate reads null as absent."""
+    props: Dict[str, Any] = {}
+    for f in fields:
+        for name in (f.name, *f.aliases, *(renames or {}).get(f.name, ())):
+            props[name] = _field_schema(f, alias_of=f.name if name != f.name else None)
+    return props
 
 
 def _field_schema(f: Field, alias_of: Optional[str]) -> Dict[str, Any]:
@@ -450,7 +457,7 @@ def _field_schema(f: Field, alias_of: Optional[str]) -> Dict[str, Any]:
         if f.maximum is not None:
             s["maximum"] = f.maximum
     elif f.kind == "string_list":
-        s = {"type": "array", "items": {"type": "string"}}
+        s = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
     elif f.kind == "int_list":
         s = {"type": "array", "items": {"type": "integer", "minimum": f.minimum, "maximum": f.maximum},
              "maxItems": f.max_items}
@@ -462,5 +469,6 @@ def _field_schema(f: Field, alias_of: Optional[str]) -> Dict[str, Any]:
         s = {"type": "array", "items": {}}
     if f.default is not None and not alias_of:
         s["default"] = list(f.default) if isinstance(f.default, tuple) else f.default
+    s["nullable"] = True
     s["description"] = f"Alias of {alias_of}." if alias_of else f.description
     return s

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from flask import Blueprint, current_app, jsonify, request
 
@@ -47,15 +47,14 @@ def models() -> Any:
     return jsonify({"models": [demo] + found})
 
 
-def _model_path(name: Optional[str]) -> Any:
-    state = get_state()
+def _model_path(name: Any) -> Any:
+    """The folder to load (None: the demo model); model management needs --models-dir, even for the demo."""
+    models_dir = model_files.require_models_dir(get_state().config)
     if name == model_files.DEMO_ID:
         return None
     if not isinstance(name, str) or not name:
         raise ApiError("Choose a model.", 422, "bad_input")
-    if state.config.models_dir is None:
-        raise ApiError("The server was started without --models-dir.", 501, "not_implemented")
-    return model_files.resolve_model(state.config.models_dir, name)
+    return model_files.resolve_model(models_dir, name)
 
 
 @bp.get("/ui/parameters")

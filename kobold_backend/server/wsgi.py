@@ -3,6 +3,7 @@ for `serve` or on a background thread that can be shut down (tests, embedding)."
 
 from __future__ import annotations
 
+import select
 import threading
 from typing import Any, Optional
 
@@ -11,6 +12,33 @@ from waitress.server import create_server
 
 # Disconnects are noticed while a request runs only when waitress keeps reading the socket.
 REQUEST_LOOKAHEAD = 1
+# Slow or idle clients cost a socket each, never a thread (waitress dispatches only complete requests). waitress's
+# defaults (100 connections, 120 s idle timeout checked every 30 s) let 100 half-open sockets lock everyone out for
+# two minutes; these keep room for many more and close a connection idle (no complete request) for 20 s.
+CONNECTION_LIMIT = 1000
+CHANNEL_TIMEOUT = 20
+CLEANUP_INTERVAL = 2
+FD_RESERVE = 64  # descriptors kept for model files, logs and the worker when the connection limit is derived
+
+
+def connection_limit() -> int:
+    """CONNECTION_LIMIT, or fewer when the process may not open that many files (raising the soft limit first)."""
+    try:
+        import resource
+    except ImportError:  # Windows: no descriptor limit of this kind; waitress uses select()
+        return 500
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = CONNECTION_LIMIT + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new_soft = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
+            soft = new_soft
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return CONNECTION_LIMIT
+    return max(16, min(CONNECTION_LIMIT, soft - FD_RESERVE))
 
 
 class WaitressServer:
@@ -18,9 +46,12 @@ class WaitressServer:
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 5001, threads: int = 8) -> None:
         self.app = app
+        body_limit = int(getattr(app, "config", {}).get("MAX_CONTENT_LENGTH") or 0) or 1 << 30
         self.server = create_server(app, host=host, port=port, threads=threads,
                                     channel_request_lookahead=REQUEST_LOOKAHEAD, ident="kobold_backend",
-                                    clear_untrusted_proxy_headers=True)
+                                    clear_untrusted_proxy_headers=True, connection_limit=connection_limit(),
+                                    channel_timeout=CHANNEL_TIMEOUT, cleanup_interval=CLEANUP_INTERVAL,
+                                    asyncore_use_poll=hasattr(select, "poll"), max_request_body_size=body_limit + 1024)
         self.host = host
         self.port = int(self.server.effective_port)  # type: ignore[union-attr]
         self._thread: Optional[threading.Thread] = None

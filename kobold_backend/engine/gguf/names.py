@@ -46,6 +46,16 @@ def gguf_name(hf_name: str) -> Optional[str]:
     return None if base is None else f"{base}.{suffix}"
 
 
+def hf_name(gguf_tensor: str) -> Optional[str]:
+    """The Hugging Face name of a GGUF tensor name, or None for tensors the engine does not read."""
+    parts = gguf_tensor.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK:
+        return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GLOBAL:
+        return f"{_GLOBAL[parts[0]]}.{parts[1]}"
+    return None
+
+
 def unpermute_rows(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Rows [num_heads * D, ...] in llama.cpp's interleaved order -> Hugging Face's rotate-half order."""
     d = rows.shape[0] // num_heads

@@ -8,13 +8,13 @@ where llama.cpp permuted Q and K.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from kobold_backend.engine.gguf.config import architecture
 from kobold_backend.engine.gguf.file import GGUFFile
-from kobold_backend.engine.gguf.names import gguf_name, unpermute_rows
+from kobold_backend.engine.gguf.names import gguf_name, hf_name, unpermute_rows
 from kobold_backend.errors import ModelFormatError
 from kobold_backend.ops.ggml import GGMLWeight, dequantize_rows
 
@@ -44,8 +44,16 @@ class GGUFWeights:
         gname = gguf_name(name)
         return gname is not None and gname in self.gguf
 
+    def names(self) -> List[str]:
+        """The Hugging Face names of the tensors the engine reads from this file."""
+        return [n for n in (hf_name(g) for g in self.gguf.names()) if n is not None]
+
     def shape(self, name: str) -> Tuple[int, ...]:
         return self.gguf.shape(self._gguf(name))
+
+    def get_shape_checked(self, name: str, shape: Sequence[int]) -> None:
+        """A ModelFormatError naming the tensor when its shape is not `shape` (nothing is read)."""
+        self._check(name, shape)
 
     def get(self, name: str, shape: Optional[Sequence[int]] = None) -> torch.Tensor:
         """A float tensor (float32 for quantized types; F16/BF16 as stored)."""
