@@ -1,6 +1,8 @@
 """The `kobold-backend` command: generate, serve, doctor, bench, install-plugin, install-ext.
 
-Results go to stdout; progress and logs go to stderr.
+Results go to stdout; progress and logs go to stderr. Every flag is checked by its argparse `type` before anything
+is loaded: a bad value is a usage error (one line on stderr naming the flag, exit status 2); a failure while running
+(a model that does not load, a port in use) is exit status 1.
 """
 
 from __future__ import annotations
@@ -9,8 +11,11 @@ import argparse
 import importlib
 import importlib.util
 import logging
+import math
+import re
 import sys
-from typing import TYPE_CHECKING, Callable, List, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, List, NoReturn, Optional
 
 from kobold_backend import __version__
 from kobold_backend.engine.device_map import add_split_arguments, split_from_args
@@ -20,6 +25,110 @@ if TYPE_CHECKING:
     from kobold_backend.engine.loader import LoadedModel
 
 log = logging.getLogger("kobold_backend")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line usage error: `kobold-backend serve: error: argument --port: ...` (exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to an option's help unless it already names its default or has none to name."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text.lower() or default is None or default is False or default in (argparse.SUPPRESS, [], ()):
+            return text
+        if action.option_strings or action.nargs in ("?", "*"):
+            return f"{text} (default: %(default)s)"
+        return text
+
+
+# -- flag types: each raises ArgumentTypeError, which argparse reports as "argument --flag: message" -------------
+
+def int_at_least(minimum: int, maximum: Optional[int] = None) -> Callable[[str], int]:
+    """An integer type in [minimum, maximum]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            span = f"at least {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def float_in(minimum: float, maximum: float = math.inf, above: bool = False) -> Callable[[str], float]:
+    """A finite float >= minimum (> minimum with above=True) and <= maximum."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        low_ok = value > minimum if above else value >= minimum
+        if not (math.isfinite(value) and low_ok and value <= maximum):
+            low = f"greater than {minimum:g}" if above else f"at least {minimum:g}"
+            span = low if maximum == math.inf else f"{low} and at most {maximum:g}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text.strip()}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def existing_dir(text: str) -> Path:
+    """A folder that exists."""
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text} does not exist")
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is not a folder")
+    return path
+
+
+def existing_file(text: str) -> Path:
+    """A readable file that exists."""
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text} does not exist")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text} is not a file")
+    return path
+
+
+def existing_path(text: str) -> str:
+    """A file or folder that exists (a model is a folder; the loader says what it needs inside)."""
+    if not Path(text).expanduser().exists():
+        raise argparse.ArgumentTypeError(f"{text} does not exist")
+    return str(Path(text).expanduser())
+
+
+DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def device_name(text: str) -> str:
+    """auto, cpu, cuda or cuda:N."""
+    value = text.strip().lower()
+    if not DEVICE.match(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of auto, cpu, cuda, cuda:N")
+    if value.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(value.split(":")[1]) if ":" in value else 0
+        if index >= count:
+            seen = "no CUDA GPU" if count == 0 else f"{count} CUDA GPU(s), cuda:0 to cuda:{count - 1}"
+            raise argparse.ArgumentTypeError(f"{value} was asked for but this torch build sees {seen}")
+    return value
 
 
 def stderr_progress(prefix: str) -> Callable[[int, int, str], None]:
@@ -37,12 +146,18 @@ def stderr_progress(prefix: str) -> Callable[[int, int, str], None]:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by every subcommand that loads a model."""
-    parser.add_argument("--model", help="model folder (safetensors; dense or GPTQ 4-bit). Default: the demo model")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
-    parser.add_argument("--dtype", default=None, help="compute dtype on the GPU: float16 or bfloat16")
-    parser.add_argument("--max-context", type=int, default=None, help="KV cache size in tokens")
-    parser.add_argument("--rope-alpha", type=float, default=1.0, help="NTK RoPE alpha (exllama's -a)")
-    parser.add_argument("--compress-pos-emb", type=float, default=1.0, help="linear RoPE compression")
+    parser.add_argument("--model", type=existing_path, metavar="DIR",
+                        help="model folder (safetensors; dense or GPTQ 4-bit) (default: the built-in demo model)")
+    parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default=None, choices=("float16", "bfloat16", "float32"),
+                        help="compute dtype (default: float16 on a GPU, bfloat16 for bf16 checkpoints, float32 on "
+                             "the CPU)")
+    parser.add_argument("--max-context", type=int_at_least(2), default=None, metavar="N",
+                        help="KV cache size in tokens, at least 2 (default: the model's max_position_embeddings, "
+                             "at most 8192)")
+    parser.add_argument("--rope-alpha", type=float_in(0, above=True), default=1.0, help="NTK RoPE alpha (exllama's -a)")
+    parser.add_argument("--compress-pos-emb", type=float_in(0, above=True), default=1.0,
+                        help="linear RoPE compression factor")
     parser.add_argument("--embed-on-cpu", action="store_true", help="keep the embedding table in system RAM")
     add_split_arguments(parser)
 
@@ -96,16 +211,20 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="stream a continuation of a prompt to stdout")
+    p = sub.add_parser("generate", help="stream a continuation of a prompt to stdout",
+                       description="Load a model (or the demo model), continue --prompt and stream the text to "
+                                   "stdout; timings go to stderr.")
     add_model_arguments(p)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=100, metavar="N",
+                   help="tokens to generate, at least 1")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=0.92)
-    p.add_argument("--rep-pen", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temperature", type=float_in(0), default=0.7, help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-k", type=int_at_least(0), default=0, help="top-k, 0 = off")
+    p.add_argument("--top-p", type=float_in(0, 1), default=0.92, help="top-p (nucleus), 1 = off")
+    p.add_argument("--rep-pen", type=float_in(1), default=1.0, help="repetition penalty, 1 = off")
+    p.add_argument("--seed", type=int_at_least(0, 2**64 - 1), default=None,
+                   help="sampler seed (default: a random one)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.set_defaults(func=run_generate)
 
@@ -118,7 +237,9 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 
 def _add_doctor(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("doctor", help="print Python, torch, CUDA, GPUs and which kernel path is active and why")
+    p = sub.add_parser("doctor", help="print Python, torch, CUDA, GPUs and which kernel path is active and why",
+                       description="Print Python, torch, CUDA, the GPUs, where the compiled kernels come from and "
+                                   "which kernel path each device uses, and why.")
     p.set_defaults(func=run_doctor)
 
 
@@ -140,15 +261,18 @@ SUBCOMMANDS = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kobold-backend", description="Llama-family inference for KoboldAI frontends")
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="kobold-backend", description="Llama-family inference for KoboldAI frontends",
+                            formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"kobold-backend {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
     _add_doctor(sub)
     for module, adder, runner in SUBCOMMANDS:
         _add_optional(sub, module, adder, runner)
+    for command in sub.choices.values():
+        command.formatter_class = HelpFormatter
     return parser
 
 
@@ -167,6 +291,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # noqa: BLE001 - one line for the person; the traceback with --verbose
+        log.error("%s: %s", type(exc).__name__, exc)
+        log.debug("traceback", exc_info=True)
+        return 1
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ class EngineHolder:
             self.loading = path.name
             try:
                 self._unload_locked()
-                log.info("loading %s (%s)", path, ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())))
+                shown = sorted((k, v) for k, v in kwargs.items() if not callable(v))  # not the progress callback
+                log.info("loading %s (%s)", path, ", ".join(f"{k}={v}" for k, v in shown))
                 lm = loader(path, **kwargs)
                 active = ActiveModel(
                     lm=lm,
