@@ -102,6 +102,10 @@ def openapi_document() -> Dict[str, Any]:
                                                                        "done": {"type": "string",
                                                                                 "enum": ["true", "false"]}}))}),
                                        genkey, ["generate"])},
+        f"{extra}/last_logprobs": {"post": _op(
+            "Logprobs of the last generation that asked for them (logprobs: true); null otherwise or when that "
+            "generation had another genkey", dict(ERR, **{"200": _json(_obj({"logprobs": {
+                "type": ["object", "null"]}}))}), genkey, ["generate"])},
         f"{extra}/tokencount": {"post": _op("Token ids of a text", dict(GEN_ERR, **{
             "200": _json(_ref("TokenCount")), "400": _json(_ref("TokenCount"), "No prompt string")}),
             _ref("TokenCountInput"), ["tokens"])},
