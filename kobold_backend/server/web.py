@@ -9,6 +9,7 @@ from flask import Blueprint, current_app, jsonify, request
 
 from kobold_backend.demo import demo_label
 from kobold_backend.server import models as model_files
+from kobold_backend.server.chat_template import model_template
 from kobold_backend.server.errors import ApiError
 from kobold_backend.server.queue import Job
 from kobold_backend.server.state import get_state, read_json
@@ -36,6 +37,9 @@ def status() -> Any:
         "protected": bool(state.config.api_key),
         "models_dir": state.config.models_dir is not None,
         "default_max_length": state.config.default_max_length,
+        # the page's Chat tab uses /v1/chat/completions when the model (or --chat-template) has a template
+        "chat_template": active is not None and (state.config.chat_template is not None
+                                                 or model_template(active.path) is not None),
     })
 
 
