@@ -66,7 +66,7 @@ def bad_flag_cases(tmp: Path) -> List[Any]:
         (["serve", "--capture-dir", absent], "--capture-dir", "does not exist"),
         (["serve", "--device", "gpu"], "--device", "auto, cpu, cuda, cuda:N"),
         (["serve", "--device", "cuda:99"], "--device", "cuda:99 was asked for"),
-        (["serve", "--dtype", "int8"], "--dtype", "invalid choice"),
+        (["serve", "--dtype", "int8"], "--dtype", "not one of float16, bfloat16, float32"),
         (["serve", "--rope-alpha", "0"], "--rope-alpha", "greater than 0"),
         (["serve", "--compress-pos-emb", "nan"], "--compress-pos-emb", "greater than 0"),
         (["serve", "--gpu-split", "20,lots"], "--gpu-split", "'lots' is not a number of GB"),
@@ -80,10 +80,11 @@ def bad_flag_cases(tmp: Path) -> List[Any]:
         (["generate", "--prompt", "x", "--seed", "-2"], "--seed", "between 0 and"),
         (["generate", "--max-new-tokens", "5"], "--prompt", "required"),
         (["bench", "--group-size", "0"], "--group-size", "at least 1"),
+        (["generate", "--prompt", "x", "--dtype", "half"], "--dtype", "not one of float16, bfloat16, float32"),
     ]
 
 
-@pytest.mark.parametrize("case", range(30))
+@pytest.mark.parametrize("case", range(31))
 def test_bad_flag_is_one_line_exit_2_before_any_load(case: int, tmp_path: Path, loads: List[Any],
                                                      capsys: pytest.CaptureFixture) -> None:
     cases = bad_flag_cases(tmp_path)
@@ -99,7 +100,7 @@ def test_bad_flag_is_one_line_exit_2_before_any_load(case: int, tmp_path: Path, 
 
 
 def test_the_parametrization_covers_every_case(tmp_path: Path) -> None:
-    assert len(bad_flag_cases(tmp_path)) == 30
+    assert len(bad_flag_cases(tmp_path)) == 31
 
 
 def test_bad_chat_template_is_a_usage_error_before_any_load(tmp_path: Path, loads: List[Any],
@@ -175,6 +176,11 @@ def test_every_subcommand_has_a_description_and_every_option_a_help_with_its_def
             if meaningful and action.option_strings:  # an empty repeatable option and an off switch need none
                 assert "default" in shown, f"{label}: the help does not state its default {action.default!r}"
         assert "%(default)s" not in parser.format_help()
+
+
+def test_dtype_aliases() -> None:
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--dtype", "BF16"])
+    assert args.dtype == "bfloat16"
 
 
 def test_help_runs_for_every_subcommand(capsys: pytest.CaptureFixture) -> None:

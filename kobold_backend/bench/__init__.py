@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from kobold_backend.cli import device_name, existing_path, int_at_least
+    from kobold_backend.cli_flags import device_name, existing_path, int_at_least
 
     p = sub.add_parser("bench", help="measure speed (prompt, decode, chat turn, memory, roofline)",
                        description="Time prompt processing, decoding, a chat turn and memory on a model (or a "

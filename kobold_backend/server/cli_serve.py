@@ -22,7 +22,8 @@ def _origins(value: str) -> Tuple[str, ...]:
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `serve` on the CLI's subparsers and return its parser."""
-    from kobold_backend.cli import add_model_arguments, existing_dir, existing_file, int_at_least
+    from kobold_backend.cli import add_model_arguments
+    from kobold_backend.cli_flags import existing_dir, existing_file, int_at_least
 
     p = subparsers.add_parser("serve", help="serve the KoboldAI/KoboldCpp HTTP API and a web page",
                               description="Load a model (or the built-in demo model) and serve KoboldAI's /api/v1 "
