@@ -253,3 +253,23 @@ def test_openai_chat_logprobs(server: Any, client: Any, lm: LoadedModel, model_d
     assert [c.logprob for c in chunks[0].content] == pytest.approx([c.logprob for c in content], abs=1e-4)
     plain = client.chat.completions.create(**dict(args, logprobs=False, top_logprobs=None))
     assert plain.choices[0].logprobs is None
+
+
+# -- CUDA: the figures from CUDA-graph decode steps (-m gpu) -----------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["dense_fp16", "gptq_v1_asym_g32"])
+def test_cuda_graph_decode_logprobs_match_a_forward_pass(name: str, checkpoints: Any) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    lm = load_model(checkpoints.get(name).path, device="cuda", dtype="float16", max_seq_len=128)
+    generator = Generator(lm.model, lm.tokenizer)
+    prompt = lm.tokenizer.encode(PROMPT, add_bos=True)
+    out = generator.generate(GenerationRequest(prompt, 16, SamplerSettings(temperature=1.0, top_k=40), seed=2,
+                                               ban_eos=True, logprobs=5))
+    assert out.logprobs is not None and len(out.logprobs) == 16
+    expected = oracle(lm, prompt, [i.token_id for i in out.logprobs])
+    for row, item in zip(expected, out.logprobs):
+        # fp16 decode kernels (GEMV, graph replay) against the prefill path: agreement to fp16 rounding
+        assert item.logprob == pytest.approx(float(row[item.token_id]), abs=5e-2)
+        assert [v for _, v in item.top] == pytest.approx(torch.topk(row, 5).values.tolist(), abs=5e-2)
