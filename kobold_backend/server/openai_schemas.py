@@ -32,7 +32,7 @@ RENAMES: Dict[str, Tuple[str, ...]] = {
     "use_default_badwordsids": ("ignore_eos",),
 }
 # KoboldAI fields that do not apply: the prompt comes from prompt/messages, stop strings are always cut from the
-# output, and `logprobs` means something else in OpenAI's API (a count; openai_schemas reads it).
+# output, and `logprobs` means something else in OpenAI's API (a count: completion_logprobs_count below).
 EXCLUDED = frozenset({"prompt", "memory", "singleline", "trim_stop", "logprobs"})
 # OpenAI's sampling defaults (KoboldCpp's top-k 100 / top-p 0.92 / temperature 0.7 apply on /api only).
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
