@@ -1,6 +1,8 @@
 """The `kobold-backend` command: generate, serve, doctor, bench, install-plugin, install-ext.
 
-Results go to stdout; progress and logs go to stderr.
+Results go to stdout; progress and logs go to stderr. Every flag is checked by its argparse `type` before anything
+is loaded: a bad value is a usage error (one line on stderr naming the flag, exit status 2); a failure while running
+(a model that does not load, a port in use) is exit status 1.
 """
 
 from __future__ import annotations
@@ -15,6 +17,15 @@ from typing import TYPE_CHECKING, List, Optional
 from kobold_backend import __version__
 from kobold_backend.cli_split import add_split_arguments, split_from_args
 from kobold_backend.errors import KoboldBackendError
+from kobold_backend.flag_types import (
+    ArgumentParser,
+    HelpFormatter,
+    device_name,
+    dtype_name,
+    existing_path,
+    float_in,
+    int_at_least,
+)
 from kobold_backend.progress import stderr_progress
 
 if TYPE_CHECKING:
@@ -25,12 +36,19 @@ log = logging.getLogger("kobold_backend")
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by every subcommand that loads a model."""
-    parser.add_argument("--model", help="model folder (safetensors; dense or GPTQ 4-bit). Default: the demo model")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
-    parser.add_argument("--dtype", default=None, help="compute dtype on the GPU: float16 or bfloat16")
-    parser.add_argument("--max-context", type=int, default=None, help="KV cache size in tokens")
-    parser.add_argument("--rope-alpha", type=float, default=1.0, help="NTK RoPE alpha (exllama's -a)")
-    parser.add_argument("--compress-pos-emb", type=float, default=1.0, help="linear RoPE compression")
+    parser.add_argument("--model", type=existing_path, metavar="PATH",
+                        help="model folder (safetensors: dense, GPTQ, AWQ) or a .gguf file (default: the built-in "
+                             "demo model)")
+    parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", type=dtype_name, default=None, metavar="{float16,bfloat16,float32}",
+                        help="compute dtype (default: float16 on a GPU, bfloat16 for bf16 checkpoints, float32 on "
+                             "the CPU)")
+    parser.add_argument("--max-context", type=int_at_least(2), default=None, metavar="N",
+                        help="KV cache size in tokens, at least 2 (default: the model's max_position_embeddings, "
+                             "at most 8192)")
+    parser.add_argument("--rope-alpha", type=float_in(0, above=True), default=1.0, help="NTK RoPE alpha (exllama's -a)")
+    parser.add_argument("--compress-pos-emb", type=float_in(0, above=True), default=1.0,
+                        help="linear RoPE compression factor")
     parser.add_argument("--embed-on-cpu", action="store_true", help="keep the embedding table in system RAM")
     add_split_arguments(parser)
 
@@ -84,16 +102,20 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="stream a continuation of a prompt to stdout")
+    p = sub.add_parser("generate", help="stream a continuation of a prompt to stdout",
+                       description="Load a model (or the demo model), continue --prompt and stream the text to "
+                                   "stdout; timings go to stderr.")
     add_model_arguments(p)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=100, metavar="N",
+                   help="tokens to generate, at least 1")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=0.92)
-    p.add_argument("--rep-pen", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temperature", type=float_in(0), default=0.7, help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-k", type=int_at_least(0), default=0, help="top-k, 0 = off")
+    p.add_argument("--top-p", type=float_in(0, 1), default=0.92, help="top-p (nucleus), 1 = off")
+    p.add_argument("--rep-pen", type=float_in(1), default=1.0, help="repetition penalty, 1 = off")
+    p.add_argument("--seed", type=int_at_least(0, 2**64 - 1), default=None,
+                   help="sampler seed (default: a random one)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.set_defaults(func=run_generate)
 
@@ -106,7 +128,9 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 
 def _add_doctor(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("doctor", help="print Python, torch, CUDA, GPUs and which kernel path is active and why")
+    p = sub.add_parser("doctor", help="print Python, torch, CUDA, GPUs and which kernel path is active and why",
+                       description="Print Python, torch, CUDA, the GPUs, where the compiled kernels come from and "
+                                   "which kernel path each device uses, and why.")
     p.set_defaults(func=run_doctor)
 
 
@@ -128,15 +152,18 @@ SUBCOMMANDS = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kobold-backend", description="Llama-family inference for KoboldAI frontends")
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="kobold-backend", description="Llama-family inference for KoboldAI frontends",
+                            formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"kobold-backend {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
     _add_doctor(sub)
     for module, adder, runner in SUBCOMMANDS:
         _add_optional(sub, module, adder, runner)
+    for command in sub.choices.values():
+        command.formatter_class = HelpFormatter
     return parser
 
 
@@ -155,6 +182,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # noqa: BLE001 - one line for the person; the traceback with --verbose
+        log.error("%s: %s", type(exc).__name__, exc)
+        log.debug("traceback", exc_info=True)
+        return 1
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
-from typing import Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from kobold_backend.engine.device_map import HardwareProbe, PlanError, plan_split
 
@@ -41,15 +41,30 @@ def parse_cpu_layers(text: Union[str, int, None]) -> Union[int, str, None]:
     return int(text)
 
 
+def _checked(parse: Callable[[str], Any]) -> Callable[[str], str]:
+    """An argparse type that runs `parse` on the text (so a bad value is a usage error naming the flag before
+    anything loads) and keeps the text for split_from_args."""
+
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except PlanError as e:
+            raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
+        return text
+
+    check.__name__ = parse.__name__
+    return check
+
+
 def add_split_arguments(parser: argparse.ArgumentParser) -> None:
     """--gpu-split and --cpu-layers (for every subcommand that loads a model)."""
     parser.add_argument(
-        "--gpu-split", metavar="GB,GB,...|auto", default=None,
+        "--gpu-split", metavar="GB,GB,...|auto", default=None, type=_checked(parse_gpu_split),
         help="split the layers over GPUs by memory budget: GB (2^30 bytes) per GPU in index order, e.g. 20,24, "
              "or 'auto' (each visible GPU's free memory minus 0.5 GB); planned from the checkpoint's headers "
              "before loading, counting weights, KV cache and working buffers")
     parser.add_argument(
-        "--cpu-layers", metavar="N|auto", default=None,
+        "--cpu-layers", metavar="N|auto", default=None, type=_checked(parse_cpu_layers),
         help="run N layers on the CPU (float32, system RAM) and the rest on the GPU(s); 'auto' puts on the CPU "
              "only what does not fit in the GPU budgets (without it, a model that does not fit is an error)")
 

@@ -27,6 +27,8 @@ from safetensors.torch import save_file
 log = logging.getLogger(__name__)
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "demo"
+# Not a training output: the plain "User:/Assistant:" template /v1/chat/completions renders for the demo model.
+CHAT_TEMPLATE = SHIPPED_DIR / "chat_template.jinja"
 SHIPPED_FILES = ("config.json", "quantize_config.json", "model.safetensors", "tokenizer.model",
                  "tokenizer_config.json", "generation_config.json")
 DEMO_VERSION = "1"
@@ -245,6 +247,8 @@ def _build(folder: Path, progress: Optional[Progress]) -> None:
     tok_config = dict(specials, tokenizer_class="LlamaTokenizer", add_bos_token=True, add_eos_token=False)
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
     (folder / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
+    if CHAT_TEMPLATE.is_file():
+        (folder / CHAT_TEMPLATE.name).write_text(CHAT_TEMPLATE.read_text(encoding="utf-8"), encoding="utf-8")
     report(1, "random weights")
     weights = _random_weights(vocab)
     report(2, "writing weights")

@@ -16,8 +16,8 @@ from typing import Callable, Dict, List
 import pytest
 import torch
 
-from kobold_backend.engine.gptq import GPTQWeight
 from kobold_backend.engine.loader import LoadedModel, load_model
+from kobold_backend.ops.gptq_weight import GPTQWeight
 from tests.fixtures.arch_checkpoints import ARCH_SPECS, ArchCheckpointFactory
 from tests.fixtures.checkpoints import BuiltCheckpoint
 from tests.fixtures.hf_oracle import hf_load, hf_step, row_rel_err

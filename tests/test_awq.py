@@ -10,10 +10,10 @@ import torch
 
 from kobold_backend.engine.awq import unpack_awq_cols
 from kobold_backend.engine.config import ModelConfig
-from kobold_backend.engine.gptq import GPTQWeight
 from kobold_backend.engine.loader import load_model
 from kobold_backend.errors import ModelFormatError
 from kobold_backend.ops import reference
+from kobold_backend.ops.gptq_weight import GPTQWeight
 from tests.fixtures.awq_pack import pack_cols, quantize, write_awq
 from tests.fixtures.checkpoints import CheckpointSpec, build_checkpoint
 from tests.fixtures.hf_oracle import hf_load, hf_step, row_rel_err

@@ -279,7 +279,10 @@ def test_sillytavern_koboldcpp_text_completion_body(client: Any) -> None:
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "logprobs": 5}, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
+    ({"prompt": "x", "logprobs": "5"}, "logprobs"),
+    ({"prompt": "x", "logprobs": 2, "num_beams": 2}, "logprobs"),
     ({"prompt": "x", "suffix": "end"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "model": 5}, "model"),
@@ -306,6 +309,19 @@ def test_completion_validation_400(client: Any, body: Any, param: str) -> None:
 ])
 def test_chat_validation_400(client: Any, messages: Any, param: str) -> None:
     resp = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert resp.status_code == 400
+    assert resp.get_json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": True}, "top_logprobs"),
+    ({"logprobs": 3}, "logprobs"),
+])
+def test_chat_logprobs_validation_400(client: Any, extra: Dict[str, Any], param: str) -> None:
+    body = dict({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}, **extra)
+    resp = client.post("/v1/chat/completions", json=body)
     assert resp.status_code == 400
     assert resp.get_json()["error"]["param"] == param
 

@@ -237,3 +237,25 @@ def test_serve_chat_template_option(checkpoints: Any, tmp_path: Path) -> None:
         assert reply.usage.prompt_tokens == len(ids)
     finally:
         assert stop(proc) == 0
+
+
+def test_demo_model_chats_with_no_flags() -> None:
+    """The shipped demo model has a chat template: transformers renders it as written down here, and the openai
+    client's chat completions (streamed and not) work on a server given no --chat-template."""
+    from kobold_backend.demo import shipped_demo_dir
+
+    demo = shipped_demo_dir()
+    if demo is None:
+        pytest.skip("the trained demo model is not shipped in this checkout")
+    expected = ("<s>You keep the light.\n\nUser: What do you see from the top?\nAssistant: The sea.\n"
+                "User: And then?\nAssistant:")
+    messages = MESSAGES + [{"role": "assistant", "content": " The sea. "}, {"role": "user", "content": "And then?"}]
+    hf = AutoTokenizer.from_pretrained(str(demo))
+    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == expected
+    prompt_ids = hf(expected, add_special_tokens=False)["input_ids"]
+    with live_server(make_app(demo)) as srv:
+        client = client_for(srv)
+        out = client.chat.completions.create(model="demo", messages=messages, max_tokens=8, temperature=0)
+        assert out.choices[0].message.content and out.usage.prompt_tokens == len(prompt_ids)
+        chunks = streamed_chat(client, model="demo", messages=messages, max_tokens=8, temperature=0)
+        assert chat_texts(chunks) == {0: out.choices[0].message.content}

@@ -10,6 +10,9 @@ from typing import Any
 import pytest
 import requests
 
+from kobold_backend.demo import shipped_demo_dir
+from kobold_backend.engine.chat_template import ChatFormatter
+from kobold_backend.engine.tokenizer import load_tokenizer
 from kobold_backend.server import ServerConfig, create_app
 from kobold_backend.server.engine_holder import EngineHolder
 from tests.server_helpers import live_server, slow_loader
@@ -120,7 +123,9 @@ def test_load_demo_stream_and_stop(server: Any, browser: Any) -> None:
     assert "tokens/s" in by_id("speed").text and "…" not in by_id("speed").text
     shot(browser, "3-stopped")
 
+    by_id("memory").send_keys("Answer briefly.")  # on the Story tab; the chat sends it as the system message
     by_id("tab-chat").click()
+    assert "chat template" in by_id("chat-mode").text  # the demo model ships one
     length = by_id("max_length")
     length.clear()
     length.send_keys("6")
@@ -129,5 +134,16 @@ def test_load_demo_stream_and_stop(server: Any, browser: Any) -> None:
     wait_until(lambda: by_id("generate-btn").is_enabled() and len(
         browser.find_elements(By.CSS_SELECTOR, "#chat-log > div")) == 2, timeout=30)
     lines = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#chat-log > div")]
-    assert lines[0] == "You: Hello bot" and lines[1].startswith("Bot:")
+    assert lines[0] == "User: Hello bot" and lines[1].startswith("Assistant:")
+    assert by_id("gen-msg").text == ""
+    # The prompt was the demo's chat template (memory as the system paragraph), not "Name: text" lines.
+    demo = shipped_demo_dir()
+    assert demo is not None
+    lm_tokenizer = load_tokenizer(demo)
+    formatter = ChatFormatter(lm_tokenizer.chat_template, lm_tokenizer, demo)
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hello bot"}]
+    rendered = formatter.encode(formatter.render(messages))
+    plain = [lm_tokenizer.bos_id] + lm_tokenizer.encode("Answer briefly.User: Hello bot\nAssistant:")
+    assert len(rendered) != len(plain)
+    assert requests.get(server.url + "/api/extra/perf", timeout=10).json()["last_input_count"] == len(rendered)
     shot(browser, "4-chat")

@@ -518,6 +518,12 @@ model trained from scratch on redistributable text found on a Debian machine: th
 It writes English in the style of software licences and Python docstrings; it is a demonstration that the whole
 stack works, not an assistant.
 
+It ships a plain chat template (`kobold_backend/demo/chat_template.jinja`, written by hand, not by the training
+tool: a system message as a paragraph, then `User: ...` and `Assistant: ...` lines, ending in `Assistant:`), so
+`/v1/chat/completions` and OpenAI chat clients work with no `--chat-template`. The model never saw a chat: its
+replies continue the text in its usual register and run until `max_tokens`, an end of text or a stop string
+(send `stop: ["\\nUser:"]` to end a reply at the next turn).
+
 ## What it is not good for
 
 - Facts, instructions, chat, stories, code that runs: it has seen about a million tokens of licences and API

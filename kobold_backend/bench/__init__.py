@@ -26,12 +26,19 @@ log = logging.getLogger(__name__)
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("bench", help="measure speed (prompt, decode, chat turn, memory, roofline)")
-    p.add_argument("--model", help="checkpoint folder; default: build a synthetic GPTQ one of --preset's shape")
+    from kobold_backend.flag_types import device_name, existing_path, int_at_least
+
+    p = sub.add_parser("bench", help="measure speed (prompt, decode, chat turn, memory, roofline)",
+                       description="Time prompt processing, decoding, a chat turn and memory on a model (or a "
+                                   "synthetic GPTQ checkpoint of a preset's shape), optionally beside exllamav2 and "
+                                   "transformers; docs/performance.md explains the figures.")
+    p.add_argument("--model", type=existing_path, metavar="DIR",
+                   help="checkpoint folder (default: build a synthetic GPTQ one of --preset's shape)")
     p.add_argument("--preset", default="llama2-7b", choices=sorted(PRESETS), help="shape of the synthetic checkpoint")
     p.add_argument("--act-order", action="store_true", help="synthetic checkpoint with act-order g_idx")
-    p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--group-size", type=int_at_least(1), default=128, metavar="N",
+                   help="GPTQ group size of the synthetic checkpoint")
+    p.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--no-graphs", action="store_true", help="eager decode (debugging)")
     p.add_argument("--compare", action="store_true", help="also measure exllamav2 and transformers fp16")
     p.add_argument("--samplers", action="store_true", help="also time the samplers per token (CPU)")

@@ -19,6 +19,7 @@ from kobold_backend.engine.beam import BeamSearch
 from kobold_backend.engine.cache import KVCache
 from kobold_backend.engine.decode_graph import graphs_supported
 from kobold_backend.engine.lane import Lane
+from kobold_backend.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from kobold_backend.engine.model import Model
 from kobold_backend.engine.sampling import Sampler, SamplerSettings
 from kobold_backend.engine.tokenizer import Tokenizer, complete_utf8_prefix
@@ -50,15 +51,19 @@ class GenerationRequest:
     num_beams: int = 1
     beam_length: int = 8
     grammar: Optional[Any] = None  # engine.grammar.GrammarConstraint: one per request, it holds the grammar state
+    logprobs: Optional[int] = None  # report log p of each generated token and its N most likely alternatives
 
 
 @dataclass
 class TokenEvent:
-    """One step: `text` is what may be shown now (possibly ""), `finish_reason` is set on the last event."""
+    """One step: `text` is what may be shown now (possibly ""), `finish_reason` is set on the last event. When the
+    request asked for logprobs, the last event's `logprobs` has one TokenLogprob per generated token (tokens taken
+    back by a banned-phrase rewind and the final EOS are not in it)."""
 
     text: str
     token_id: Optional[int]
     finish_reason: Optional[str] = None
+    logprobs: Optional[List[TokenLogprob]] = None
 
 
 @dataclass
@@ -71,6 +76,7 @@ class GenerationOutput:
     reused_tokens: int
     prefill_seconds: float
     decode_seconds: float
+    logprobs: Optional[List[TokenLogprob]] = None
 
 
 @dataclass
@@ -188,15 +194,17 @@ class Generator:
         pieces: List[str] = []
         ids: List[int] = []
         reason = "length"
+        logprobs = None
         for event in self.stream(req):
             pieces.append(event.text)
             if event.token_id is not None:
                 ids.append(event.token_id)
             if event.finish_reason is not None:
                 reason = event.finish_reason
+                logprobs = event.logprobs
         s = self.stats
         return GenerationOutput("".join(pieces), ids, reason, s.prompt_tokens, s.completion_tokens,
-                                s.reused_tokens, s.prefill_seconds, s.decode_seconds)
+                                s.reused_tokens, s.prefill_seconds, s.decode_seconds, logprobs)
 
     def stream(self, req: GenerationRequest) -> Iterator[TokenEvent]:
         """Yield a TokenEvent per sampled token and a final one; close the iterator to stop early."""
@@ -230,6 +238,10 @@ class Generator:
             raise RequestError("beam search cannot be combined with a negative prompt or passthrough", "num_beams")
         if req.num_beams > 1 and req.grammar is not None:
             raise RequestError("beam search cannot be combined with a grammar", "num_beams")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
+        if req.num_beams > 1 and req.logprobs is not None:
+            raise RequestError("beam search cannot be combined with logprobs", "num_beams")
 
     def _cfg_lane(self, req: GenerationRequest) -> Optional[Lane]:
         """The negative prompt's lane for classifier-free guidance, its cache allocated on first use."""
@@ -284,6 +296,7 @@ class Generator:
         t1 = time.perf_counter()
         tracker = _TextTracker(self.tokenizer, req.stop_strings, req.banned_strings)
         generated: List[int] = []
+        logprobs: List[TokenLogprob] = []  # one per token in `generated` when the request asked for them
         position_bans: Dict[int, Set[int]] = {}
         rewinds = 0
         eos = set(self.tokenizer.eos_ids)
@@ -307,11 +320,15 @@ class Generator:
                         scores = req.grammar.constrain(scores, extra or ())
                     token = sampler.sample(scores)
                     sampler.accept(token)
+                    if req.logprobs is not None:
+                        logprobs.append(token_logprobs(logits, token, req.logprobs))
                     if req.grammar is not None:
                         req.grammar.accept(token)
                 generated.append(token)
                 if token in eos and not req.bypass_eos:
                     reason = "stop"
+                    if req.logprobs is not None:
+                        del logprobs[len(generated) - 1:]  # the end of text is not part of the output
                     yield TokenEvent("", token)
                     break
                 tracker.push(token)
@@ -325,6 +342,7 @@ class Generator:
                             req.grammar.rollback(len(generated) - start)
                         tracker.truncate(start)
                         del generated[start:]
+                        del logprobs[start:]
                         logits = self.lane.rewind_to(len(prompt) + start, req.passthrough)
                         if guide is not None:
                             guide_logits = guide.rewind_to(len(req.negative_prompt_ids) + start, guide_passthrough)
@@ -347,7 +365,7 @@ class Generator:
                 if guide is not None:
                     guide_logits = guide.step(token, guide_passthrough)
             tail = "" if reason == "stop_string" else tracker.take(len(tracker.buf))
-            yield TokenEvent(tail, None, reason)
+            yield TokenEvent(tail, None, reason, logprobs if req.logprobs is not None else None)
         finally:
             t2 = time.perf_counter()
             self.stats = GenerationStats(

@@ -1,4 +1,4 @@
-"""KoboldCpp's /api/extra: version, context size, SSE streaming, check, abort, token counting, perf."""
+"""KoboldCpp's /api/extra: version, context size, SSE streaming, check, abort, token counting, perf, last logprobs."""
 
 from __future__ import annotations
 
@@ -75,6 +75,15 @@ def generate_check() -> Any:
     job = get_state().queue.find(genkey if isinstance(genkey, str) else None)
     text = job.partial_text() if job is not None else ""
     return jsonify({"results": [{"text": text}]})
+
+
+@bp.post("/last_logprobs")
+def last_logprobs() -> Any:
+    """KoboldCpp's {"logprobs": ...} of the last finished generation that asked for them (else null); when that
+    generation had a genkey, only a body with the same genkey gets them."""
+    body = read_json(empty={})
+    genkey = body.get("genkey") if isinstance(body, dict) else None
+    return jsonify({"logprobs": get_state().perf.logprobs_for(genkey if isinstance(genkey, str) else None)})
 
 
 @bp.post("/abort")

@@ -86,7 +86,8 @@ class EngineHolder:
         loader = self._loader
         if loader is None:
             from kobold_backend.engine.loader import load_model as loader
-        log.info("loading %s (%s)", path, ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())))
+        shown = sorted((k, v) for k, v in kwargs.items() if not callable(v))  # not the progress callback
+        log.info("loading %s (%s)", path, ", ".join(f"{k}={v}" for k, v in shown))
         lm = loader(path, **kwargs)
         try:
             generator = Generator(lm.model, lm.tokenizer)

@@ -1,5 +1,6 @@
 """Generation jobs: turn validated params into engine requests on the worker thread, feed the text to the
-job (streaming and /generate/check), and keep the counters of /api/extra/perf."""
+job (streaming and /generate/check), and keep the counters of /api/extra/perf and the logprobs of
+/api/extra/last_logprobs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from kobold_backend.server.errors import NoModelLoaded
+from kobold_backend.server.logprobs import kobold_logprobs
 from kobold_backend.server.queue import Job
 from kobold_backend.server.schemas import GenerateParams, build_requests, kobold_finish_reason
 
@@ -23,17 +25,20 @@ class RunResult:
     prompt_tokens: int
     completion_tokens: int
     passthrough_results: Optional[Dict[str, Any]] = None
+    logprobs: Optional[Dict[str, Any]] = None  # KoboldCpp's shape, when the request asked for logprobs
 
     def as_kobold(self) -> Dict[str, Any]:
         out = {"text": self.text, "finish_reason": kobold_finish_reason(self.finish_reason),
                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
         if self.passthrough_results is not None:
             out["passthrough_results"] = self.passthrough_results
         return out
 
 
 class PerfStats:
-    """The figures behind /api/extra/perf, updated after every run."""
+    """The figures behind /api/extra/perf and /api/extra/last_logprobs, updated after every run."""
 
     def __init__(self) -> None:
         self.started = time.time()
@@ -42,9 +47,15 @@ class PerfStats:
         self.last: Dict[str, Any] = {"last_process": 0.0, "last_eval": 0.0, "last_token_count": 0,
                                      "last_input_count": 0, "last_seed": -1, "stop_reason": -1}
         self.total_gens = 0
+        self.last_logprobs: Optional[Dict[str, Any]] = None
+        self.last_genkey: Optional[str] = None
 
-    def record(self, stats: Any, passthrough: bool = False) -> None:
+    def record(self, stats: Any, passthrough: bool = False, logprobs: Optional[Dict[str, Any]] = None,
+               genkey: Optional[str] = None) -> None:
+        """After a run: its figures, and its logprobs (None when it did not ask for them) under its genkey."""
         with self.lock:
+            self.last_logprobs = logprobs
+            self.last_genkey = genkey or None
             self.total_gens += 1
             self.idle_since = time.time()
             self.last = {
@@ -56,6 +67,13 @@ class PerfStats:
                 "stop_reason": STOP_REASON_CODES.get(stats.finish_reason, -1),
                 "passthrough": passthrough,  # the run was eager: no CUDA graph, no prefix reuse
             }
+
+    def logprobs_for(self, genkey: Optional[str]) -> Optional[Dict[str, Any]]:
+        """The last run's logprobs: for anyone when that run had no genkey, else only for the same genkey."""
+        with self.lock:
+            if self.last_genkey is not None and genkey != self.last_genkey:
+                return None
+            return self.last_logprobs
 
     def snapshot(self, queued: int, idle: bool) -> Dict[str, Any]:
         now = time.time()
@@ -105,18 +123,22 @@ def generation_job(holder: Any, params: GenerateParams, default_max_length: int,
             cut = _SingleLine(params.singleline)
             pieces: List[str] = []
             reason: Optional[str] = None
+            logprobs = None
             for ev in active.generator.stream(req):
                 text = cut(ev.text)
                 pieces.append(text)
                 if ev.finish_reason is not None:
                     reason = ev.finish_reason
+                    if ev.logprobs is not None:
+                        logprobs = kobold_logprobs(active.tokenizer, ev.logprobs)
                     job.emit(text, kobold_finish_reason(reason))
                 else:
                     job.emit(text)
             stats = active.generator.stats
-            perf.record(stats, passthrough=pt is not None)
+            perf.record(stats, passthrough=pt is not None, logprobs=logprobs, genkey=params.genkey)
             results.append(RunResult("".join(pieces), reason or "length", int(stats.prompt_tokens),
-                                     int(stats.completion_tokens), pt.results() if pt is not None else None))
+                                     int(stats.completion_tokens), pt.results() if pt is not None else None,
+                                     logprobs))
         return results
 
     return run

@@ -20,6 +20,7 @@ from kobold_backend.server import passthrough, sse
 from kobold_backend.server.auth import ALLOWED_HEADERS, add_cors_headers, key_ok
 from kobold_backend.server.engine_holder import ActiveModel
 from kobold_backend.server.errors import BUSY_MESSAGE, ApiError
+from kobold_backend.server.logprobs import chat_logprobs, completion_logprobs, kobold_logprobs
 from kobold_backend.server.openai_schemas import (
     OpenAIError,
     OpenAIRequest,
@@ -63,6 +64,7 @@ class ChoiceResult:
     finish_reason: str
     completion_tokens: int
     passthrough_results: Optional[Dict[str, Any]] = None
+    logprobs: Optional[Dict[str, Any]] = None  # in the route's OpenAI shape, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -224,10 +226,11 @@ def _job(state: ServerState, active: ActiveModel, req: OpenAIRequest, plan: List
                 break
             job.new_run()
             gen_req = engine_request(req.params, choice.prompt_ids, choice.max_new, choice.seed, job.abort_event,
-                                     grammar_constraint(req.params, active.tokenizer))
+                                     grammar_constraint(req.params, active.tokenizer), req.logprobs)
             pt = extra.attach(active, gen_req) if extra is not None else None
             pieces: List[str] = []
             reason: Optional[str] = None
+            items = None
             for ev in active.generator.stream(gen_req):
                 if ev.text:
                     pieces.append(ev.text)
@@ -235,10 +238,15 @@ def _job(state: ServerState, active: ActiveModel, req: OpenAIRequest, plan: List
                     channel.put(("text", choice.index, ev.text))
                 if ev.finish_reason is not None:
                     reason = ev.finish_reason
+                    items = ev.logprobs
+            logprobs = None
+            if items is not None:
+                logprobs = (chat_logprobs if req.chat else completion_logprobs)(active.tokenizer, items)
             stats = active.generator.stats
-            state.perf.record(stats, passthrough=pt is not None)
+            state.perf.record(stats, passthrough=pt is not None, genkey=req.params.genkey,
+                              logprobs=None if items is None else kobold_logprobs(active.tokenizer, items))
             result = ChoiceResult(choice.index, "".join(pieces), openai_finish_reason(reason),
-                                  int(stats.completion_tokens), pt.results() if pt is not None else None)
+                                  int(stats.completion_tokens), pt.results() if pt is not None else None, logprobs)
             channel.put(("end", result.index, result))
             results.append(result)
         return results
@@ -288,10 +296,10 @@ def _answer(meta: Meta, plan: List[Choice], results: List[ChoiceResult]) -> Dict
         r = by_index.get(c.index, ChoiceResult(c.index, "", "length", 0))
         choice: Dict[str, Any]
         if meta.chat:
-            choice = {"index": r.index, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+            choice = {"index": r.index, "message": {"role": "assistant", "content": r.text}, "logprobs": r.logprobs,
                       "finish_reason": r.finish_reason}
         else:
-            choice = {"text": r.text, "index": r.index, "logprobs": None, "finish_reason": r.finish_reason}
+            choice = {"text": r.text, "index": r.index, "logprobs": r.logprobs, "finish_reason": r.finish_reason}
         if r.passthrough_results is not None:
             choice["passthrough_results"] = r.passthrough_results
         choices.append(choice)
@@ -313,14 +321,16 @@ DONE = b"data: [DONE]\n\n"
 
 
 def _choice_chunk(meta: Meta, index: int, text: Optional[str], finish_reason: Optional[str],
-                  role: bool = False) -> bytes:
+                  role: bool = False, logprobs: Optional[Dict[str, Any]] = None) -> bytes:
+    """One choice's chunk; the logprobs of all its tokens come with its finish_reason chunk."""
     if meta.chat:
         delta: Dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text:
             delta["content"] = text
-        choice: Dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice: Dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
+                                  "finish_reason": finish_reason}
     else:
-        choice = {"text": text or "", "index": index, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"text": text or "", "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
     return format_chunk(meta, [choice])
 
 
@@ -359,7 +369,7 @@ def _stream(meta: Meta, plan: List[Choice], first: Optional[Tuple[Any, ...]], re
                 yield _choice_chunk(meta, index, payload, None)
             else:
                 results.append(payload)
-                yield _choice_chunk(meta, index, None, payload.finish_reason)
+                yield _choice_chunk(meta, index, None, payload.finish_reason, logprobs=payload.logprobs)
         if meta.include_usage:
             yield format_chunk(meta, [], _usage(plan, results))
         yield DONE

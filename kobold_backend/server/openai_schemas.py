@@ -8,6 +8,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from kobold_backend.engine.logprobs import MAX_TOP_LOGPROBS
+from kobold_backend.server.logprobs import KOBOLDCPP_TOP_LOGPROBS
 from kobold_backend.server.schemas import (
     FIELDS,
     MAX_SEED,
@@ -31,7 +33,7 @@ RENAMES: Dict[str, Tuple[str, ...]] = {
     "use_default_badwordsids": ("ignore_eos",),
 }
 # KoboldAI fields that do not apply: the prompt comes from prompt/messages, stop strings are always cut from the
-# output, and `logprobs` means something else in OpenAI's API.
+# output, and `logprobs` means something else in OpenAI's API (a count: completion_logprobs_count below).
 EXCLUDED = frozenset({"prompt", "memory", "singleline", "trim_stop", "logprobs"})
 # OpenAI's sampling defaults (KoboldCpp's top-k 100 / top-p 0.92 / temperature 0.7 apply on /api only).
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
@@ -79,6 +81,7 @@ class OpenAIRequest:
     messages: List[Dict[str, Any]] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    logprobs: Optional[int] = None  # alternatives per token to report; None: no logprobs
 
 
 # -- validation -------------------------------------------------------------------------------------------
@@ -134,12 +137,37 @@ def _unsupported(body: Dict[str, Any]) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise invalid("best_of", "'best_of' is not supported; use n.")
-    for key in ("logprobs", "top_logprobs"):
-        if body.get(key):
-            raise invalid(key, f"'{key}' is not supported.")
     for key in ("tools", "functions"):
         if body.get(key):
             raise invalid(key, f"'{key}' (tool calling) is not supported.")
+
+
+def _top_count(body: Dict[str, Any], key: str) -> int:
+    value = body.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise invalid(key, f"'{key}' must be an integer from 0 to {MAX_TOP_LOGPROBS}.")
+    return value
+
+
+def completion_logprobs_count(body: Dict[str, Any]) -> Optional[int]:
+    """/v1/completions `logprobs`: N alternatives per token (0-20); true means KoboldCpp's 5; null/false: none."""
+    value = body.get("logprobs")
+    if value is None or value is False:
+        return None
+    if value is True:
+        return KOBOLDCPP_TOP_LOGPROBS
+    return _top_count(body, "logprobs")
+
+
+def chat_logprobs_count(body: Dict[str, Any]) -> Optional[int]:
+    """/v1/chat/completions `logprobs: true` with `top_logprobs` N (0-20, default 0); None without logprobs."""
+    wanted = _flag(body, "logprobs")
+    if body.get("top_logprobs") is not None:
+        count = _top_count(body, "top_logprobs")
+        if not wanted:
+            raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true.")
+        return count
+    return 0 if wanted else None
 
 
 def _response_format(body: Dict[str, Any]) -> Optional[Any]:
@@ -206,7 +234,8 @@ def parse_completion(body: Any) -> OpenAIRequest:
     body, stream, include_usage = _common(body)
     prompts = _prompts(body.get("prompt"))
     params = _sampler_params(body, COMPLETION_MAX_TOKENS)
-    return OpenAIRequest(False, params, prompts=prompts, stream=stream, include_usage=include_usage)
+    return OpenAIRequest(False, params, prompts=prompts, stream=stream, include_usage=include_usage,
+                         logprobs=_with_beams(params, completion_logprobs_count(body)))
 
 
 def _content(i: int, message: Dict[str, Any]) -> str:
@@ -252,7 +281,14 @@ def parse_chat(body: Any) -> OpenAIRequest:
     body, stream, include_usage = _common(body)
     messages = parse_messages(body.get("messages"))
     params = _sampler_params(body, None)
-    return OpenAIRequest(True, params, messages=messages, stream=stream, include_usage=include_usage)
+    return OpenAIRequest(True, params, messages=messages, stream=stream, include_usage=include_usage,
+                         logprobs=_with_beams(params, chat_logprobs_count(body)))
+
+
+def _with_beams(params: GenerateParams, logprobs: Optional[int]) -> Optional[int]:
+    if logprobs is not None and params.num_beams > 1:
+        raise invalid("logprobs", "'logprobs' cannot be combined with beam search (num_beams > 1).")
+    return logprobs
 
 
 # -- prompts and engine requests ------------------------------------------------------------------------------
@@ -293,16 +329,17 @@ def first_seed(params: GenerateParams) -> int:
 
 
 def engine_request(params: GenerateParams, prompt_ids: List[int], max_new: int, seed: int, abort: Any,
-                   grammar: Any = None) -> Any:
-    """The GenerationRequest of one choice: the KoboldAI sampler settings, stop strings cut from the output, and the
-    choice's own GrammarConstraint (schemas.grammar_constraint) when the body has a grammar."""
+                   grammar: Any = None, logprobs: Optional[int] = None) -> Any:
+    """The GenerationRequest of one choice: the KoboldAI sampler settings, stop strings cut from the output, the
+    choice's own GrammarConstraint (schemas.grammar_constraint) when the body has a grammar, and the number of
+    alternatives per token to report when it asked for logprobs."""
     from kobold_backend.engine.generator import GenerationRequest
 
     return GenerationRequest(
         prompt_ids=list(prompt_ids), max_new_tokens=max_new, settings=sampler_settings(params),
         stop_strings=tuple(params.stop_sequence), ban_eos=params.use_default_badwordsids,
         bypass_eos=params.bypass_eos, seed=seed % (MAX_SEED + 1), abort=abort,
-        banned_strings=tuple(params.banned_tokens), trim_stop=True, grammar=grammar,
+        banned_strings=tuple(params.banned_tokens), trim_stop=True, grammar=grammar, logprobs=logprobs,
     )
 
 

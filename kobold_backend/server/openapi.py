@@ -129,6 +129,11 @@ def _kobold_paths() -> Dict[str, Any]:
                                             "done": {"type": "string", "enum": ["true", "false"]}},
                                            ["success", "done"]))}),
                                        genkey, ["generate"], body_required=False)},
+        f"{extra}/last_logprobs": {"post": _op(
+            "Logprobs of the last generation that asked for them (logprobs: true); null otherwise or when that "
+            "generation had another genkey",
+            dict(BODY_ERR, **{"200": _json(_obj({"logprobs": {"type": "object", "nullable": True}}, ["logprobs"]))}),
+            genkey, ["generate"], body_required=False)},
         f"{extra}/tokencount": {"post": _op("Token ids of a text", dict(GEN_ERR, **{
             "200": tokens_200, "400": tokens_400}), _ref("TokenCountInput"), ["tokens"])},
         f"{extra}/tokenize": {"post": _op("Token ids of a text (alias of tokencount)", dict(GEN_ERR, **{

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from kobold_backend.errors import RequestError
+from kobold_backend.server.logprobs import KOBOLDCPP_TOP_LOGPROBS
 
 MAX_SEED = 2**64 - 1
 MAX_STOP_SEQUENCES = 32
@@ -118,7 +119,9 @@ FIELDS: Tuple[Field, ...] = (
       used=False),
     F("images", "any_list", (), "Accepted and ignored (no vision support).", used=False),
     F("render_special", "boolean", False, "Accepted and ignored.", used=False),
-    F("logprobs", "boolean", False, "Accepted and ignored.", used=False),
+    F("logprobs", "boolean", False, "Return each generated token's log-probability and its 5 most likely "
+      "alternatives (the model's distribution before sampling) in the result's `logprobs`, KoboldCpp's shape; "
+      "also kept for /api/extra/last_logprobs."),
     F("quiet", "boolean", False, "Accepted; nothing is printed per request anyway.", used=False),
     F("soft_prompt", "string", "", "Accepted and ignored (no soft prompts).", used=False),
     F("use_story", "boolean", False, "Accepted and ignored (the server keeps no story).", used=False),
@@ -324,6 +327,8 @@ def parse_generate(body: Any, stream: bool = False) -> GenerateParams:
     values["sampler_order"] = order
     if values["num_beams"] > 1 and values["negative_prompt"] and values["guidance_scale"] != 1.0:
         raise ValidationFailed({"num_beams": ["Beam search cannot be combined with a negative prompt."]})
+    if values["num_beams"] > 1 and values["logprobs"]:
+        raise ValidationFailed({"num_beams": ["Beam search cannot be combined with logprobs."]})
     params = GenerateParams(values=values, stream=stream)
     try:
         sampler_settings(params).validate()
@@ -420,6 +425,7 @@ def build_requests(params: GenerateParams, tokenizer: Any, server_context: int, 
             trim_stop=params.trim_stop, negative_prompt_ids=negative, guidance_scale=params.guidance_scale,
             num_beams=params.num_beams, beam_length=params.beam_length,
             grammar=grammar_constraint(params, tokenizer),
+            logprobs=KOBOLDCPP_TOP_LOGPROBS if params.logprobs else None,
         )
         for i in range(n)
     ]

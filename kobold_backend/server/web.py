@@ -37,6 +37,9 @@ def status() -> Any:
         "protected": bool(state.config.api_key),
         "models_dir": state.config.models_dir is not None,
         "default_max_length": state.config.default_max_length,
+        # the page's Chat tab uses /v1/chat/completions when the model (or --chat-template) has a template
+        "chat_template": active is not None and (state.config.chat_template is not None
+                                                 or active.tokenizer.chat_template is not None),
     })
 
 

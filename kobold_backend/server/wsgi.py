@@ -1,9 +1,13 @@
 """Serving the app with waitress (cross-platform, streams each SSE event as it is written), in the foreground
-for `serve` or on a background thread that can be shut down (tests, embedding)."""
+for `serve` or on a background thread that can be shut down (tests, embedding). `serve` binds its socket first
+(bind_listening_socket), so that a port in use is reported before a model is loaded, and serves on it later."""
 
 from __future__ import annotations
 
+import errno
+import os
 import select
+import socket
 import threading
 from typing import Any, Optional
 
@@ -41,17 +45,51 @@ def connection_limit() -> int:
     return max(16, min(CONNECTION_LIMIT, soft - FD_RESERVE))
 
 
-class WaitressServer:
-    """A waitress server bound at construction (port 0 picks a free port)."""
+class AddressUnavailable(Exception):
+    """The address cannot be listened on; the message is one sentence for the person who chose it."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 5001, threads: int = 8) -> None:
+
+def bind_listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (not yet listening: connections are refused until the server starts)."""
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise AddressUnavailable(f"--host {host} is not an address of this machine ({e.strerror}).") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        if os.name != "nt":  # on Windows SO_REUSEADDR would let two servers share the port
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        where = f"{host}:{port}"
+        if e.errno == errno.EADDRINUSE:
+            raise AddressUnavailable(f"Port {port} on {host} is already in use (is another server running?); "
+                                     "stop it or choose another --port.") from None
+        if e.errno == errno.EACCES:
+            raise AddressUnavailable(f"Not allowed to listen on {where} (ports below 1024 need privileges); "
+                                     "choose another --port.") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise AddressUnavailable(f"--host {host} is not an address of this machine.") from None
+        raise AddressUnavailable(f"Cannot listen on {where}: {e.strerror or e}.") from None
+    return sock
+
+
+class WaitressServer:
+    """A waitress server bound at construction (port 0 picks a free port), or serving on `sock`, a socket bound
+    by bind_listening_socket."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 5001, threads: int = 8,
+                 sock: Optional[socket.socket] = None) -> None:
         self.app = app
         body_limit = int(getattr(app, "config", {}).get("MAX_CONTENT_LENGTH") or 0) or 1 << 30
-        self.server = create_server(app, host=host, port=port, threads=threads,
-                                    channel_request_lookahead=REQUEST_LOOKAHEAD, ident="kobold_backend",
-                                    clear_untrusted_proxy_headers=True, connection_limit=connection_limit(),
-                                    channel_timeout=CHANNEL_TIMEOUT, cleanup_interval=CLEANUP_INTERVAL,
-                                    asyncore_use_poll=hasattr(select, "poll"), max_request_body_size=body_limit + 1024)
+        where: Any = {"sockets": [sock]} if sock is not None else {"host": host, "port": port}
+        self.server = create_server(app, threads=threads, channel_request_lookahead=REQUEST_LOOKAHEAD,
+                                    ident="kobold_backend", clear_untrusted_proxy_headers=True,
+                                    connection_limit=connection_limit(), channel_timeout=CHANNEL_TIMEOUT,
+                                    cleanup_interval=CLEANUP_INTERVAL, asyncore_use_poll=hasattr(select, "poll"),
+                                    max_request_body_size=body_limit + 1024, **where)
         self.host = host
         self.port = int(self.server.effective_port)  # type: ignore[union-attr]
         self._thread: Optional[threading.Thread] = None

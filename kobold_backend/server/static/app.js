@@ -1,5 +1,6 @@
 // kobold_backend web page: model loading through /ui/*, generation through the KoboldCpp SSE stream
-// (/api/extra/generate/stream read with fetch()), stop through /api/extra/abort with the request's genkey.
+// (/api/extra/generate/stream read with fetch()); the Chat tab uses /v1/chat/completions (streamed) when the model
+// has a chat template, else a plain "Name: text" prompt; stop through /api/extra/abort with the request's genkey.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -9,6 +10,7 @@ const INT_FIELDS = new Set(["max_length", "max_context_length", "top_k", "rep_pe
 
 let genkey = null;
 let mode = "story";
+let chatTemplate = false;
 const chatHistory = [];
 
 function authHeaders() {
@@ -62,6 +64,10 @@ async function refreshStatus() {
   else $("status").textContent = "no model loaded";
   $("demo-badge").hidden = !st.is_demo;
   if (st.demo_label) $("demo-badge").textContent = st.demo_label;
+  chatTemplate = Boolean(st.chat_template);
+  $("chat-mode").textContent = chatTemplate
+    ? "Messages go through the model's chat template (/v1/chat/completions); the names are only labels here."
+    : "This model has no chat template: the prompt is the conversation as \"Name: text\" lines.";
   if (st.max_context) {
     const ctx = $("max_context_length");
     ctx.max = st.max_context;
@@ -226,14 +232,28 @@ function showSpeed(tokens, seconds, final) {
   $("speed").textContent = rate + " tokens/s · " + tokens + " tokens" + (final ? "" : " …");
 }
 
-// Reads KoboldCpp's SSE framing: blocks separated by a blank line, one `data:` line of JSON each.
-async function streamGenerate(body, onToken) {
-  const resp = await fetch("/api/extra/generate/stream", {
+// KoboldCpp's events: {"token", "finish_reason"} with the string "null" until the end.
+function koboldEvent(data) {
+  return { token: data.token, finish: data.finish_reason !== "null" ? data.finish_reason : null };
+}
+
+// OpenAI's chat chunks: choices[0].delta.content and finish_reason; an error event carries {"error": {...}}.
+function chatEvent(data) {
+  if (data.error) throw new Error(data.error.message);
+  const choice = (data.choices || [])[0];
+  if (!choice) return { token: "", finish: null };
+  return { token: choice.delta.content || "", finish: choice.finish_reason || null };
+}
+
+// Reads SSE framing: blocks separated by a blank line, one `data:` line of JSON each ("[DONE]" ends OpenAI's).
+async function streamGenerate(url, body, onToken, readEvent) {
+  const resp = await fetch(url, {
     method: "POST", headers: authHeaders(), body: JSON.stringify(body),
   });
   if (!resp.ok) {
     let data = null;
     try { data = await resp.json(); } catch (e) { data = null; }
+    if (data && data.error && data.error.message) throw new Error(data.error.message);
     throw new Error(errorText(resp.status, data));
   }
   const reader = resp.body.getReader();
@@ -251,21 +271,21 @@ async function streamGenerate(body, onToken) {
       const block = buffer.slice(0, cut);
       buffer = buffer.slice(cut + 2);
       for (const line of block.split("\n")) {
-        if (!line.startsWith("data: ")) continue;
-        const data = JSON.parse(line.slice(6));
-        if (data.token) {
+        if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
+        const event = readEvent(JSON.parse(line.slice(6)));
+        if (event.token) {
           events += 1;
-          onToken(data.token);
+          onToken(event.token);
           showSpeed(events, (performance.now() - started) / 1000, false);
         }
-        if (data.finish_reason !== "null") finish = data.finish_reason;
+        if (event.finish) finish = event.finish;
       }
     }
   }
   return finish;
 }
 
-async function runGeneration(body, onToken) {
+async function runGeneration(body, onToken, url = "/api/extra/generate/stream", readEvent = koboldEvent) {
   genkey = "KB" + Math.floor(Math.random() * 1e9);
   body.genkey = genkey;
   $("generate-btn").disabled = true;
@@ -274,7 +294,7 @@ async function runGeneration(body, onToken) {
   $("speed").textContent = "…";
   setMsg("gen-msg", "");
   try {
-    const finish = await streamGenerate(body, onToken);
+    const finish = await streamGenerate(url, body, onToken, readEvent);
     $("finish").textContent = finish ? "finished: " + finish : "";
     const perf = await api("GET", "/api/extra/perf");
     showSpeed(perf.last_token_count, perf.last_eval || 1e-9, true);
@@ -321,8 +341,8 @@ function appendChat(who, text) {
 }
 
 function generateChat() {
-  const user = $("user-name").value || "You";
-  const bot = $("bot-name").value || "Bot";
+  const user = $("user-name").value || "User";
+  const bot = $("bot-name").value || "Assistant";
   const msg = $("chat-input").value.trim();
   if (msg) {
     chatHistory.push([user, msg]);
@@ -330,18 +350,29 @@ function generateChat() {
     $("chat-input").value = "";
   }
   const body = samplerBody();
-  body.memory = $("memory").value;
-  body.prompt = chatHistory.map(([w, t]) => w + ": " + t).join("\n") + "\n" + bot + ":";
   body.stop_sequence = body.stop_sequence.concat(["\n" + user + ":"]);
-  body.trim_stop = true;
   const said = appendChat(bot, "");
   const entry = [bot, ""];
-  chatHistory.push(entry);
-  return runGeneration(body, (token) => {
+  const onToken = (token) => {
     entry[1] += token;
     said.textContent = entry[1].replace(/^ /, "");
     $("chat-log").scrollTop = $("chat-log").scrollHeight;
-  });
+  };
+  if (chatTemplate) {
+    // Memory is the system message; earlier turns are user/assistant messages in order.
+    const memory = $("memory").value.trim();
+    body.messages = (memory ? [{ role: "system", content: memory }] : []).concat(
+      chatHistory.map(([w, t]) => ({ role: w === bot ? "assistant" : "user", content: t.trim() })));
+    body.max_tokens = body.max_length;
+    body.stream = true;
+    chatHistory.push(entry);
+    return runGeneration(body, onToken, "/v1/chat/completions", chatEvent);
+  }
+  body.memory = $("memory").value;
+  body.prompt = chatHistory.map(([w, t]) => w + ": " + t).join("\n") + "\n" + bot + ":";
+  body.trim_stop = true;
+  chatHistory.push(entry);
+  return runGeneration(body, onToken);
 }
 
 function setMode(next) {
