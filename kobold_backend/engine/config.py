@@ -6,25 +6,30 @@ Anything this engine cannot run is refused here with one sentence naming what wa
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from kobold_backend.errors import ModelFormatError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+if TYPE_CHECKING:
+    from kobold_backend.engine.architectures import Architecture, Features, RopeSpec
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE scaling: "linear" (positions divided by factor) or "llama3" (frequency-dependent)."""
+    """RoPE scaling: "linear" (positions divided by factor), "llama3" (frequency-dependent) or "longrope"
+    (Phi-3: per-frequency short/long factors; `factor` is max_position_embeddings / original)."""
 
     rope_type: str
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: Tuple[float, ...] = ()
+    long_factor: Tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -58,10 +63,26 @@ class ModelConfig:
     torch_dtype: str = "float16"
     quant: Optional[QuantConfig] = None
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    architecture: str = "LlamaForCausalLM"
+    arch: Optional[Architecture] = field(default=None, repr=False)
+    features: Features = field(default=None, repr=False)  # type: ignore[assignment]
 
     @property
     def is_gptq(self) -> bool:
         return self.quant is not None
+
+    @property
+    def description(self) -> Architecture:
+        """The architecture description this config was read with (see engine/architectures)."""
+        assert self.arch is not None, "ModelConfig built without from_dict has no architecture"
+        return self.arch
+
+    def layer_window(self, index: int) -> Optional[int]:
+        """The sliding-window length of layer `index`, None for full attention."""
+        return self.features.windows[index]
+
+    def layer_rope(self, index: int) -> RopeSpec:
+        return self.features.ropes[index]
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -82,20 +103,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: Dict[str, Any], folder: Optional[Path] = None) -> ModelConfig:
+        from kobold_backend.engine.architectures import lookup
+
         where = str(folder) if folder is not None else "config.json"
         model_type = raw.get("model_type")
         archs = raw.get("architectures") or []
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelFormatError(
-                f"{where}: model_type {model_type!r} is not supported; this engine runs Llama-family models "
-                f"({', '.join(SUPPORTED_MODEL_TYPES)})."
-            )
-        bad_archs = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
-        if bad_archs:
-            raise ModelFormatError(
-                f"{where}: architecture {bad_archs[0]!r} is not supported; expected one of "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}."
-            )
+        arch = lookup(model_type, archs, where)
         try:
             hidden = int(raw["hidden_size"])
             inter = int(raw["intermediate_size"])
@@ -112,10 +125,8 @@ class ModelConfig:
             )
         if head_dim % 2:
             raise ModelFormatError(f"{where}: head_dim {head_dim} is odd; RoPE needs an even head size.")
-        if raw.get("attention_bias") or raw.get("mlp_bias"):
-            raise ModelFormatError(f"{where}: attention_bias/mlp_bias models are not supported.")
         bos, eos = _special_ids(raw, folder)
-        return cls(
+        config = cls(
             hidden_size=hidden,
             intermediate_size=inter,
             num_layers=layers,
@@ -125,7 +136,7 @@ class ModelConfig:
             vocab_size=vocab,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling(raw.get("rope_scaling"), where),
+            rope_scaling=parse_rope_scaling(raw, head_dim, where),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=bos,
@@ -134,7 +145,26 @@ class ModelConfig:
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float16"),
             quant=_quant_config(raw, folder, where),
             raw=raw,
+            architecture=str(archs[0]) if archs else arch.class_names[0],
+            arch=arch,
         )
+        config.features = _complete(arch.features(raw, config, where), config)
+        return config
+
+
+def _complete(features: Features, config: ModelConfig) -> Features:
+    """Fill the per-layer lists a description left empty: full attention and the config's one RoPE table."""
+    from dataclasses import replace
+
+    from kobold_backend.engine.architectures import RopeSpec
+
+    n = config.num_layers
+    windows = features.windows or (None,) * n
+    ropes = features.ropes or (RopeSpec(config.rope_theta, config.rope_scaling),) * n
+    if len(windows) != n or len(ropes) != n:
+        raise ModelFormatError(f"{config.model_type}: the description gives per-layer settings for "
+                               f"{len(windows)}/{len(ropes)} layers, the config has {n}.")
+    return replace(features, windows=tuple(windows), ropes=tuple(ropes))
 
 
 def _read_json(path: Path) -> Dict[str, Any]:
@@ -168,7 +198,10 @@ def _special_ids(raw: Dict[str, Any], folder: Optional[Path]) -> Tuple[Optional[
     return (int(bos) if bos is not None else None), eos
 
 
-def _rope_scaling(value: Any, where: str) -> Optional[RopeScaling]:
+def parse_rope_scaling(raw: Dict[str, Any], head_dim: int, where: str,
+                       key: str = "rope_scaling") -> Optional[RopeScaling]:
+    """The `rope_scaling` object of config.json (None when absent or "default")."""
+    value = raw.get(key)
     if not value:
         return None
     if not isinstance(value, dict):
@@ -187,10 +220,36 @@ def _rope_scaling(value: Any, where: str) -> Optional[RopeScaling]:
             high_freq_factor=float(value.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(value.get("original_max_position_embeddings", 8192)),
         )
+    if kind in ("longrope", "su"):
+        return _longrope(raw, value, head_dim, where)
     raise ModelFormatError(
-        f"{where}: rope_scaling type {kind!r} is not supported (supported: linear, llama3; "
+        f"{where}: rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope; "
         "NTK alpha is a load option)."
     )
+
+
+def _longrope(raw: Dict[str, Any], value: Dict[str, Any], head_dim: int, where: str) -> RopeScaling:
+    """Phi-3's LongRoPE ("su"): per-frequency divisors (short below the original context, long above it) and an
+    attention factor sqrt(1 + ln(s) / ln(original)) with s = max_position_embeddings / original, unless given."""
+    factors = []
+    for name in ("short_factor", "long_factor"):
+        f = value.get(name)
+        if not isinstance(f, list) or len(f) != head_dim // 2:
+            raise ModelFormatError(f"{where}: rope_scaling {name} must be a list of head_dim / 2 = {head_dim // 2} "
+                                   f"numbers, found {f!r:.60}.")
+        factors.append(tuple(float(x) for x in f))
+    max_pos = int(raw.get("max_position_embeddings", 2048))
+    if raw.get("original_max_position_embeddings"):
+        original = int(raw["original_max_position_embeddings"])
+        factor = max_pos / original
+    else:
+        original = max_pos
+        factor = float(value.get("factor") or 1.0)
+    attention = value.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling("longrope", factor=factor, original_max_position_embeddings=original,
+                       short_factor=factors[0], long_factor=factors[1], attention_factor=float(attention))
 
 
 def _quant_config(raw: Dict[str, Any], folder: Optional[Path], where: str) -> Optional[QuantConfig]:

@@ -26,10 +26,6 @@ DEFAULT_GPU_RESERVE_GIB = 0.5
 DEFAULT_CPU_RESERVE_GIB = 1.0
 PREFILL_CHUNK = 2048  # the most tokens the generator feeds through the model at once
 GPU_LIBRARY_BYTES = 128 << 20  # cuBLAS/cuBLASLt workspaces and kernel scratch, per GPU in use
-PROJECTIONS = (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-)
 Shapes = Dict[str, Tuple[int, ...]]
 
 
@@ -48,30 +44,31 @@ def checkpoint_shapes(folder: Union[str, Path]) -> Shapes:
 
 
 def config_shapes(config: ModelConfig) -> Shapes:
-    """The tensor shapes a checkpoint of this config holds: GPTQ linears (qweight/qzeros/scales/g_idx) when
-    `config.quant` is set, dense otherwise; a dense lm_head unless the embeddings are tied; no biases."""
-    h, inter = config.hidden_size, config.intermediate_size
-    qd, kvd = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    dims = {"self_attn.q_proj": (h, qd), "self_attn.k_proj": (h, kvd), "self_attn.v_proj": (h, kvd),
-            "self_attn.o_proj": (qd, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
-            "mlp.down_proj": (inter, h)}
+    """The tensor shapes a checkpoint of this config holds, as its architecture lays them out: GPTQ linears
+    (qweight/qzeros/scales/g_idx) when `config.quant` is set, dense otherwise; a dense lm_head unless the
+    embeddings are tied; the biases the architecture declares."""
+    h = config.hidden_size
     shapes: Shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     for i in range(config.num_layers):
         p = f"model.layers.{i}"
-        shapes[f"{p}.input_layernorm.weight"] = (h,)
-        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
-        for name, (k, n) in dims.items():
+        layout = config.description.layout(config, i)
+        for ckpt, size in layout.norms.values():
+            shapes[f"{p}.{ckpt}.weight"] = (size,)
+        for name, lin in layout.linears.items():
+            k, n = lin.in_features, lin.out_features
+            if name in layout.biased:
+                shapes[f"{p}.{lin.prefix}.bias"] = (n,)
             if config.quant is None:
-                shapes[f"{p}.{name}.weight"] = (n, k)
+                shapes[f"{p}.{lin.prefix}.weight"] = (n, k)
                 continue
             gs = config.quant.group_size
             groups = -(-k // gs) if gs > 0 else 1
-            shapes[f"{p}.{name}.qweight"] = (k // 8, n)
-            shapes[f"{p}.{name}.qzeros"] = (groups, n // 8)
-            shapes[f"{p}.{name}.scales"] = (groups, n)
-            shapes[f"{p}.{name}.g_idx"] = (k,)
+            shapes[f"{p}.{lin.prefix}.qweight"] = (k // 8, n)
+            shapes[f"{p}.{lin.prefix}.qzeros"] = (groups, n // 8)
+            shapes[f"{p}.{lin.prefix}.scales"] = (groups, n)
+            shapes[f"{p}.{lin.prefix}.g_idx"] = (k,)
     return shapes
 
 
@@ -108,8 +105,8 @@ class Sizes:
     def _gptq(self, prefix: str) -> bool:
         return self.config.quant is not None and f"{prefix}.qweight" in self.shapes
 
-    def linear(self, prefix: str, elem: int) -> int:
-        bias = self.shapes.get(f"{prefix}.bias")
+    def linear(self, prefix: str, elem: int, with_bias: bool = True) -> int:
+        bias = self.shapes.get(f"{prefix}.bias") if with_bias else None
         extra = _numel(bias) * elem if bias is not None else 0
         if not self._gptq(prefix):
             return _numel(self._shape(f"{prefix}.weight")) * elem + extra
@@ -122,9 +119,18 @@ class Sizes:
         return total + extra
 
     def layer(self, index: int, elem: int) -> int:
-        p = f"model.layers.{index}"
-        norms = sum(_numel(self._shape(f"{p}.{n}.weight")) for n in ("input_layernorm", "post_attention_layernorm"))
-        return norms * elem + sum(self.linear(f"{p}.{name}", elem) for name in PROJECTIONS)
+        """Every tensor under `model.layers.N.`, whatever the architecture names it (norms, biases, dense or GPTQ
+        projections, experts); a GPTQ linear counts as `linear` lays it out in memory."""
+        p = f"model.layers.{index}."
+        total = 0
+        for name, shape in self.shapes.items():
+            if not name.startswith(p):
+                continue
+            if name.endswith(".qweight"):
+                total += self.linear(name[: -len(".qweight")], elem, with_bias=False)
+            elif name.endswith((".weight", ".bias")):
+                total += _numel(shape) * elem
+        return total
 
     def cache(self, elem: int) -> int:
         """K and V of one layer for max_seq_len positions (the cache dtype is the layer's dtype)."""
@@ -157,10 +163,9 @@ class Sizes:
         acts = b * t * (4 * c.hidden_size + 3 * qd + 2 * kvd + 3 * c.intermediate_size) * elem
         gqa = 2 * b * c.num_heads * self.max_seq_len * c.head_dim * elem if c.num_heads != c.num_kv_heads else 0
         dq = 0
-        for name in PROJECTIONS:
-            prefix = f"model.layers.0.{name}"
-            if self._gptq(prefix):
-                k8, n = self._shape(f"{prefix}.qweight")
+        for name, shape in self.shapes.items():
+            if name.startswith("model.layers.0.") and name.endswith(".qweight") and self.config.quant is not None:
+                k8, n = shape
                 dq = max(dq, k8 * 8 * n * (4 + elem))
         return acts + gqa + dq
 

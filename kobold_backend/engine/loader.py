@@ -10,8 +10,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from kobold_backend.engine.architectures import RopeSpec
 from kobold_backend.engine.config import ModelConfig
-from kobold_backend.engine.gptq import load_gptq_linear
+from kobold_backend.engine.gptq import GPTQWeight, load_gptq_linear
 from kobold_backend.engine.model import Layer, Model, Weight
 from kobold_backend.engine.rope import cos_sin_tables
 from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
@@ -83,7 +84,7 @@ def load_model(
     progress: Optional[Progress] = None,
     with_tokenizer: bool = True,
 ) -> LoadedModel:
-    """Load a Llama-family checkpoint (dense or GPTQ 4-bit) from a folder.
+    """Load a checkpoint of a registered architecture (dense or GPTQ 4-bit) from a folder.
 
     `layer_devices` places each decoder layer (one entry per layer); otherwise all go to `device`.
     `with_tokenizer=False` skips the tokenizer (benchmarks on synthetic checkpoints).
@@ -111,6 +112,70 @@ def _dtype_for(device: torch.device, compute: torch.dtype) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else compute
 
 
+@dataclass
+class LayerLoader:
+    """What an architecture's `build_mlp` hook gets to read one layer's tensors: names are relative to `prefix`
+    (`model.layers.N`), tensors land on the layer's device and dtype."""
+
+    reader: WeightReader
+    config: ModelConfig
+    prefix: str
+    device: torch.device
+    dtype: torch.dtype
+
+    def name(self, name: str) -> str:
+        return f"{self.prefix}.{name}" if self.prefix else name
+
+    def has(self, name: str) -> bool:
+        return self.name(name) in self.reader
+
+    def dense(self, name: str, shape: Tuple[int, ...], offset: float = 0.0) -> torch.Tensor:
+        """A float tensor (`offset` added in float32 first: Gemma's (1 + weight) norms)."""
+        t = self.reader.get(self.name(name), shape)
+        if offset:
+            t = t.float() + offset
+        return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def linear(self, name: str, in_features: int, out_features: int) -> Weight:
+        """A projection `name` (e.g. `mlp.down_proj`): GPTQ when the checkpoint quantized it, else dense."""
+        prefix = self.name(name)
+        reader, quant = self.reader, self.config.quant
+        if quant is not None and f"{prefix}.qweight" in reader:
+            return load_gptq_linear(reader, prefix, in_features, out_features, quant, self.dtype, self.device)
+        if f"{prefix}.weight" not in reader and f"{prefix}.qweight" not in reader:
+            raise ModelFormatError(f"Tensor {prefix}.weight is missing from the checkpoint in {reader.folder}.")
+        if f"{prefix}.weight" not in reader:
+            raise ModelFormatError(f"{prefix} is GPTQ-quantized but the folder has no quantization config.")
+        return self.dense(f"{name}.weight", (out_features, in_features))
+
+
+def _load_layer(ctx: LayerLoader, index: int) -> Layer:
+    """One decoder layer as the architecture's layout names it; q/k/v and gate/up fused where they can be."""
+    config = ctx.config
+    arch = config.description
+    layout = arch.layout(config, index)
+    weights: Dict[str, Weight] = {}
+    biases: Dict[str, torch.Tensor] = {}
+    out_features: Dict[str, int] = {}
+    for name, lin in layout.linears.items():
+        weights[name] = ctx.linear(lin.prefix, lin.in_features, lin.out_features)
+        out_features.update(dict(lin.parts))
+        if name in layout.biased and not isinstance(weights[name], GPTQWeight):
+            biases[name] = ctx.dense(f"{lin.prefix}.bias", (lin.out_features,))
+    offset = config.features.norm_offset
+    norms = {field_name: ctx.dense(f"{ckpt}.weight", (size,), offset)
+             for field_name, (ckpt, size) in layout.norms.items()}
+    layer = Layer(
+        q_proj=weights.get("q_proj"), k_proj=weights.get("k_proj"), v_proj=weights.get("v_proj"),
+        o_proj=weights["o_proj"], gate_proj=weights.get("gate_proj"), up_proj=weights.get("up_proj"),
+        down_proj=weights.get("down_proj"), qkv_proj=weights.get("qkv_proj"),
+        gate_up_proj=weights.get("gate_up_proj"), device=ctx.device, out_features=out_features,
+        biases=biases, mlp=arch.build_mlp(ctx, config, index), **norms,
+    )
+    layer.fuse()
+    return layer
+
+
 def _build(
     reader: WeightReader,
     config: ModelConfig,
@@ -123,13 +188,7 @@ def _build(
     compress_pos_emb: float,
     progress: Optional[Progress],
 ) -> Model:
-    h, kvd = config.hidden_size, config.num_kv_heads * config.head_dim
-    qd = config.num_heads * config.head_dim
-    shapes = {
-        "self_attn.q_proj": (h, qd), "self_attn.k_proj": (h, kvd), "self_attn.v_proj": (h, kvd),
-        "self_attn.o_proj": (qd, h), "mlp.gate_proj": (h, config.intermediate_size),
-        "mlp.up_proj": (h, config.intermediate_size), "mlp.down_proj": (config.intermediate_size, h),
-    }
+    h = config.hidden_size
     total = config.num_layers + 2
     step = [0]
 
@@ -138,39 +197,19 @@ def _build(
         if progress is not None:
             progress(step[0], total, message)
 
-    def dense(name: str, shape: Tuple[int, ...], device: torch.device, dt: torch.dtype) -> torch.Tensor:
-        return reader.get(name, shape).to(device=device, dtype=dt).contiguous()
-
-    def linear(prefix: str, k: int, n: int, device: torch.device, dt: torch.dtype) -> Weight:
-        if config.quant is not None and f"{prefix}.qweight" in reader:
-            return load_gptq_linear(reader, prefix, k, n, config.quant, dt, device)
-        if f"{prefix}.weight" not in reader and f"{prefix}.qweight" not in reader:
-            raise ModelFormatError(f"Tensor {prefix}.weight is missing from the checkpoint in {reader.folder}.")
-        if f"{prefix}.weight" not in reader:
-            raise ModelFormatError(f"{prefix} is GPTQ-quantized but the folder has no quantization config.")
-        return dense(f"{prefix}.weight", (n, k), device, dt)
+    def top(device: torch.device, dt: torch.dtype) -> LayerLoader:
+        return LayerLoader(reader, config, "model", device, dt)
 
     embed_device = torch.device("cpu") if embed_on_cpu else main
-    embed = dense("model.embed_tokens.weight", (config.vocab_size, h), embed_device,
-                  _dtype_for(embed_device, dtype))
+    embed = top(embed_device, _dtype_for(embed_device, dtype)).dense("embed_tokens.weight", (config.vocab_size, h))
     tick("embeddings")
     layers: List[Layer] = []
     for i in range(config.num_layers):
         dev = per_layer[i]
-        dt = _dtype_for(dev, dtype)
-        p = f"model.layers.{i}"
-        projections = {name.split(".")[1]: linear(f"{p}.{name}", k, n, dev, dt) for name, (k, n) in shapes.items()}
-        layer = Layer(
-            input_norm=dense(f"{p}.input_layernorm.weight", (h,), dev, dt),
-            post_norm=dense(f"{p}.post_attention_layernorm.weight", (h,), dev, dt),
-            device=dev,
-            **projections,
-        )
-        layer.fuse()
-        layers.append(layer)
+        layers.append(_load_layer(LayerLoader(reader, config, f"model.layers.{i}", dev, _dtype_for(dev, dtype)), i))
         tick(f"layer {i + 1}/{config.num_layers}")
     head_dt = _dtype_for(main, dtype)
-    norm = dense("model.norm.weight", (h,), main, head_dt)
+    norm = top(main, head_dt).dense("norm.weight", (h,), config.features.norm_offset)
     if config.tie_word_embeddings or "lm_head.weight" not in reader and "lm_head.qweight" not in reader:
         if not config.tie_word_embeddings:
             raise ModelFormatError(
@@ -179,14 +218,14 @@ def _build(
             )
         lm_head: Weight = embed if embed.device == main and embed.dtype == head_dt else embed.to(main, head_dt)
     else:
-        lm_head = linear("lm_head", h, config.vocab_size, main, head_dt)
+        lm_head = LayerLoader(reader, config, "", main, head_dt).linear("lm_head", h, config.vocab_size)
     tick("head")
-    tables: Dict[Tuple[torch.device, torch.dtype], Tuple[torch.Tensor, torch.Tensor]] = {}
+    tables: Dict[Tuple[torch.device, torch.dtype, RopeSpec], Tuple[torch.Tensor, torch.Tensor]] = {}
     cos, sin = [], []
-    for layer in layers:
-        key = (layer.device, _dtype_for(layer.device, dtype))
+    for index, layer in enumerate(layers):
+        key = (layer.device, _dtype_for(layer.device, dtype), config.layer_rope(index))
         if key not in tables:
-            tables[key] = cos_sin_tables(config, seq_len, key[0], key[1], rope_alpha, compress_pos_emb)
+            tables[key] = cos_sin_tables(config, seq_len, key[0], key[1], rope_alpha, compress_pos_emb, key[2])
         cos.append(tables[key][0])
         sin.append(tables[key][1])
     return Model(config, embed, layers, norm, lm_head, cos, sin, head_dt, seq_len)

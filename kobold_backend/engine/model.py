@@ -1,5 +1,8 @@
-"""The Llama-family transformer: Model.forward(ids, cache) -> logits, reading top to bottom.
+"""The decoder-only transformer: Model.forward(ids, cache) -> logits, reading top to bottom.
 
+One generic layer serves every architecture: what differs between families (biases, q/k norm, extra norms,
+activation, scales, soft-capping, sliding windows, RoPE tables per layer, a routed MLP) is read from
+`config.features` and from the tensors the loader placed in each `Layer`, as described in engine/architectures.
 Each layer calls `kobold_backend.ops`, which runs the native kernels where they are loaded.
 A `passthrough` object (see engine/passthrough.py) may observe or change the residual stream
 after each layer and add low-rank deltas to the projections.
@@ -8,7 +11,7 @@ after each layer and add low-rank deltas to the projections.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -21,14 +24,19 @@ from kobold_backend.ops.reference import rotate_half
 
 Weight = Union[torch.Tensor, GPTQWeight]
 
+ACTIVATIONS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "silu": ops.silu_mul,
+    "gelu_tanh": ops.gelu_tanh_mul,
+}
 
-def project(x: torch.Tensor, w: Weight) -> torch.Tensor:
-    """x [..., K] @ w -> [..., N] for a dense weight [N, K] or a GPTQ layer."""
+
+def project(x: torch.Tensor, w: Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., K] @ w (+ bias) -> [..., N] for a dense weight [N, K] or a GPTQ layer (which holds its own bias)."""
     if isinstance(w, GPTQWeight):
         shape = x.shape
         y = ops.gptq_matmul(x.reshape(-1, shape[-1]), w)
         return y.view(*shape[:-1], w.out_features)
-    return ops.linear(x, w)
+    return ops.linear(x, w, bias)
 
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -39,9 +47,21 @@ def _out_features(w: Weight) -> int:
     return w.out_features if isinstance(w, GPTQWeight) else int(w.shape[0])
 
 
+def _size(w: Any) -> int:
+    if isinstance(w, GPTQWeight):
+        return w.nbytes
+    return w.numel() * w.element_size()
+
+
 @dataclass
 class Layer:
-    """Weights of one decoder block, all on `device`."""
+    """Weights of one decoder block, all on `device`.
+
+    `post_norm` is the norm in front of the MLP. The optional tensors are set only by architectures that use them:
+    `q_norm`/`k_norm` (per-head RMSNorm weights [head_dim]), `attn_out_norm`/`mlp_out_norm` (norms on the attention
+    and MLP outputs before the residual add), `biases` (dense projections' biases by projection name; GPTQ layers
+    keep theirs), and `mlp`, a routed MLP object called as `mlp(x, index, passthrough)` instead of gate/up/down.
+    """
 
     input_norm: torch.Tensor
     q_proj: Optional[Weight]
@@ -51,14 +71,21 @@ class Layer:
     post_norm: torch.Tensor
     gate_proj: Optional[Weight]
     up_proj: Optional[Weight]
-    down_proj: Weight
+    down_proj: Optional[Weight]
     device: torch.device
     qkv_proj: Optional[Weight] = None
     gate_up_proj: Optional[Weight] = None
     out_features: Dict[str, int] = field(default_factory=dict)
+    q_norm: Optional[torch.Tensor] = None
+    k_norm: Optional[torch.Tensor] = None
+    attn_out_norm: Optional[torch.Tensor] = None
+    mlp_out_norm: Optional[torch.Tensor] = None
+    biases: Dict[str, torch.Tensor] = field(default_factory=dict)
+    mlp: Optional[Any] = None
 
     PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "qkv_proj", "gate_up_proj")
+    NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
 
     def weight(self, name: str) -> Weight:
         """The weight of one projection (a copy of its columns of the fused weight when it was fused)."""
@@ -78,18 +105,40 @@ class Layer:
         return fused[start:end]
 
     def fuse(self) -> None:
-        """Replace q/k/v and gate/up by one wide weight each where they can fuse (see engine/fuse.py)."""
-        self.out_features = {n: _out_features(getattr(self, n)) for n in QKV + GATE_UP}
-        qkv = concat_outputs([self.q_proj, self.k_proj, self.v_proj])  # type: ignore[list-item]
-        if qkv is not None:
-            self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = qkv, None, None, None
-        gate_up = concat_outputs([self.gate_proj, self.up_proj])  # type: ignore[list-item]
-        if gate_up is not None:
-            self.gate_up_proj, self.gate_proj, self.up_proj = gate_up, None, None
+        """Replace q/k/v and gate/up by one wide weight each where they can fuse (see engine/fuse.py).
+
+        Projections the checkpoint already stores fused (Phi-3) stay as they are."""
+        for fused_name, names in (("qkv_proj", QKV), ("gate_up_proj", GATE_UP)):
+            parts = [getattr(self, n) for n in names]
+            if any(p is None for p in parts):
+                continue
+            self.out_features.update({n: _out_features(p) for n, p in zip(names, parts)})
+            biases = [self.biases.get(n) for n in names]
+            if any(b is not None for b in biases) and not all(b is not None for b in biases):
+                continue
+            wide = concat_outputs(parts)
+            if wide is None:
+                continue
+            setattr(self, fused_name, wide)
+            for n in names:
+                setattr(self, n, None)
+            if biases[0] is not None:
+                self.biases[fused_name] = torch.cat(biases)  # type: ignore[arg-type]
+                for n in names:
+                    del self.biases[n]
+
+    def tensors(self) -> Iterator[Any]:
+        """Every weight this layer holds (projections, norms, biases, the routed MLP's own `tensors()`)."""
+        for name in self.PROJECTIONS + self.NORMS:
+            if getattr(self, name) is not None:
+                yield getattr(self, name)
+        yield from self.biases.values()
+        if self.mlp is not None:
+            yield from self.mlp.tensors()
 
 
 class Model:
-    """A loaded Llama-family model. Build it with `kobold_backend.engine.loader.load_model`."""
+    """A loaded decoder-only model. Build it with `kobold_backend.engine.loader.load_model`."""
 
     def __init__(
         self,
@@ -104,6 +153,7 @@ class Model:
         max_seq_len: int,
     ) -> None:
         self.config = config
+        self.features = config.features
         self.embed_tokens = embed_tokens
         self.layers = layers
         self.norm = norm
@@ -113,7 +163,10 @@ class Model:
         self.dtype = dtype
         self.max_seq_len = max_seq_len
         self.device = norm.device
-        self.scale = config.head_dim ** -0.5
+        self.scale = self.features.attn_scale or config.head_dim ** -0.5
+        self.windows = self.features.windows
+        self.rope_factors = [rope.attention_factor for rope in self.features.ropes]
+        self.activation = ACTIVATIONS[self.features.activation]
 
     def new_cache(self, max_seq_len: Optional[int] = None, batch_size: int = 1) -> KVCache:
         n = max_seq_len or self.max_seq_len
@@ -143,7 +196,7 @@ class Model:
             ids = ids.unsqueeze(0)
         t = ids.shape[1]
         pos = cache.reserve(t)
-        h = self.embed_tokens[ids.to(self.embed_tokens.device)]
+        h = self._embed(ids)
         for index, layer in enumerate(self.layers):
             h = h.to(device=layer.device, dtype=layer.input_norm.dtype)
             h = self._layer(index, layer, h, cache, pos, passthrough)
@@ -164,8 +217,9 @@ class Model:
         moved = end - start - drop
         for index in range(len(self.layers)):
             k, v = cache.k[index], cache.v[index]
-            cos = self.cos[index][drop].float()
-            sin = self.sin[index][drop].float()
+            # the tables carry the RoPE attention factor (LongRoPE); a pure rotation must not apply it again
+            cos = self.cos[index][drop].float() / self.rope_factors[index]
+            sin = self.sin[index][drop].float() / self.rope_factors[index]
             src = k[:, :, start + drop : end].float()
             k[:, :, start : start + moved].copy_(src * cos - rotate_half(src) * sin)
             v[:, :, start : start + moved].copy_(v[:, :, start + drop : end].clone())
@@ -177,15 +231,23 @@ class Model:
         """One token [B, 1] at the device-tensor position `pos`, attending over the first `length` cache
         positions; no host-side state changes, so a CUDA graph can capture it. The caller advances
         `cache.seq_len`."""
-        h = self.embed_tokens[ids.to(self.embed_tokens.device)]
+        h = self._embed(ids)
         for index, layer in enumerate(self.layers):
             h = h.to(device=layer.device, dtype=layer.input_norm.dtype)
             h = self._layer(index, layer, h, cache, 0, None, pos, length)
         return self._logits(h)
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens[ids.to(self.embed_tokens.device)]
+        if self.features.embed_scale is not None:
+            h = h * torch.tensor(self.features.embed_scale, dtype=h.dtype)
+        return h
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = h.to(device=self.device, dtype=self.dtype)
-        return project(ops.rms_norm(h, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        logits = project(ops.rms_norm(h, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        cap = self.features.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _layer(
         self,
@@ -199,34 +261,46 @@ class Model:
         length: int = 0,
     ) -> torch.Tensor:
         cfg = self.config
+        eps = cfg.rms_norm_eps
         b, t, _ = h.shape
-        x = ops.rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+        x = ops.rms_norm(h, layer.input_norm, eps)
         qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = self._projs(index, layer, "qkv_proj", ("q_proj", "k_proj", "v_proj"), (qd, kvd, kvd), x,
-                              passthrough)
+        q, k, v = self._projs(index, layer, "qkv_proj", QKV, (qd, kvd, kvd), x, passthrough)
         q = q.view(b, t, cfg.num_heads, cfg.head_dim)
         k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = ops.rms_norm(q, layer.q_norm, eps)
+            k = ops.rms_norm(k, layer.k_norm, eps)
         k_cache, v_cache = cache.k[index], cache.v[index]
+        window, cap = self.windows[index], self.features.attn_softcap
         if pos_t is not None:
             q = ops.rope_cache_write_at(q, k, v, self.cos[index], self.sin[index], pos_t, k_cache, v_cache)
-            a = ops.decode_attention_at(q[:, 0], k_cache, v_cache, pos_t, length, self.scale)
+            a = ops.decode_attention_at(q[:, 0], k_cache, v_cache, pos_t, length, self.scale,
+                                        window=window, softcap=cap)
         elif t == 1:
             q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
-            a = ops.decode_attention(q[:, 0], k_cache, v_cache, pos + 1, self.scale)
+            a = ops.decode_attention(q[:, 0], k_cache, v_cache, pos + 1, self.scale, window=window, softcap=cap)
         else:
             q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
-            a = ops.attention(q, k_cache, v_cache, pos, self.scale)
+            a = ops.attention(q, k_cache, v_cache, pos, self.scale, window=window, softcap=cap)
         a = self._proj(index, layer, "o_proj", a.reshape(b, t, cfg.num_heads * cfg.head_dim), passthrough)
-        x, h = ops.add_rms_norm(a, h, layer.post_norm, cfg.rms_norm_eps)
-        gate, up = self._projs(index, layer, "gate_up_proj", ("gate_proj", "up_proj"),
-                               (cfg.intermediate_size, cfg.intermediate_size), x, passthrough)
-        down = self._proj(index, layer, "down_proj", ops.silu_mul(gate, up), passthrough)
-        return h + down
+        if layer.attn_out_norm is not None:
+            a = ops.rms_norm(a, layer.attn_out_norm, eps)
+        x, h = ops.add_rms_norm(a, h, layer.post_norm, eps)
+        if layer.mlp is not None:
+            out = layer.mlp(x, index, passthrough)
+        else:
+            gate, up = self._projs(index, layer, "gate_up_proj", GATE_UP,
+                                   (cfg.intermediate_size, cfg.intermediate_size), x, passthrough)
+            out = self._proj(index, layer, "down_proj", self.activation(gate, up), passthrough)
+        if layer.mlp_out_norm is not None:
+            out = ops.rms_norm(out, layer.mlp_out_norm, eps)
+        return h + out
 
     @staticmethod
     def _proj(index: int, layer: Layer, name: str, x: torch.Tensor, passthrough: Optional[Any]) -> torch.Tensor:
-        y = project(x, getattr(layer, name))
+        y = project(x, getattr(layer, name), layer.biases.get(name))
         if passthrough is not None:
             delta = passthrough.linear_delta(index, name, x)
             if delta is not None:
@@ -247,7 +321,7 @@ class Model:
         weight = getattr(layer, fused)
         if weight is None:
             return [self._proj(index, layer, name, x, passthrough) for name in names]
-        outs = list(project(x, weight).split(list(sizes), dim=-1))
+        outs = list(project(x, weight, layer.biases.get(fused)).split(list(sizes), dim=-1))
         if passthrough is not None:
             for i, name in enumerate(names):
                 delta = passthrough.linear_delta(index, name, x)
@@ -257,15 +331,9 @@ class Model:
 
     @property
     def nbytes(self) -> int:
-        def size(w: Any) -> int:
-            if isinstance(w, GPTQWeight):
-                return w.nbytes
-            return w.numel() * w.element_size()
-
-        total = size(self.embed_tokens) + size(self.norm)
+        total = _size(self.embed_tokens) + _size(self.norm)
         if self.lm_head is not self.embed_tokens:
-            total += size(self.lm_head)
+            total += _size(self.lm_head)
         for layer in self.layers:
-            total += sum(size(getattr(layer, n)) for n in Layer.PROJECTIONS if getattr(layer, n) is not None)
-            total += size(layer.input_norm) + size(layer.post_norm)
+            total += sum(_size(w) for w in layer.tensors())
         return total

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import torch
 
@@ -21,6 +21,7 @@ __all__ = [
     "attention",
     "decode_attention",
     "decode_attention_at",
+    "gelu_tanh_mul",
     "gptq_dequantize",
     "gptq_matmul",
     "linear",
@@ -94,25 +95,48 @@ def rope_cache_write_at(
 
 
 def decode_attention_at(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, length: int, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    length: int,
+    scale: float,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     k = _kernels(q)
-    if k is None or q.is_cuda:
+    if k is None or q.is_cuda or window is not None or softcap is not None:
         # On the H200, inside a CUDA graph, torch's batched matmuls beat the native flash-decoding kernel at every
-        # length measured (8 vs 35 us at 128 positions, 27 vs 75 us at 4000; docs/performance.md).
-        return reference.decode_attention_at(q, k_cache, v_cache, pos, length, scale)
+        # length measured (8 vs 35 us at 128 positions, 27 vs 75 us at 4000; docs/performance.md). A sliding
+        # window's start depends on the device position, which the torch definition masks on the device.
+        return reference.decode_attention_at(q, k_cache, v_cache, pos, length, scale, window, softcap)
     return k.decode_attention_at(q, k_cache, v_cache, pos, length, scale)
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
+    """One query row against cached positions [seq_len - window, seq_len) (all of them without a window)."""
     k = _kernels(q)
-    if k is None:
-        return reference.decode_attention(q, k_cache, v_cache, seq_len, scale)
+    if k is None or softcap is not None:
+        return reference.decode_attention(q, k_cache, v_cache, seq_len, scale, window, softcap)
+    if window is not None and seq_len > window:
+        # the kernels read the cache through strides, so the window is a view starting at its first position
+        start = seq_len - window
+        return k.decode_attention(q, k_cache[:, :, start:], v_cache[:, :, start:], window, scale)
     return k.decode_attention(q, k_cache, v_cache, seq_len, scale)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     k = _kernels(gate)
     return reference.silu_mul(gate, up) if k is None else k.silu_mul(gate, up)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return reference.gelu_tanh_mul(gate, up)

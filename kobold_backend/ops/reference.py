@@ -82,24 +82,43 @@ def rope_cache_write(
 
 
 def attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: int,
+    scale: float,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
-    """Causal attention of q [B, T, Hq, D] (positions pos..pos+T-1) over cache[:, :, :pos+T]."""
+    """Causal attention of q [B, T, Hq, D] (positions pos..pos+T-1) over cache[:, :, :pos+T].
+
+    `window` w: query i sees keys j with i - w < j <= i (sliding window, as transformers masks it);
+    `softcap` c: scores become c * tanh(scores / c) before the mask (Gemma 2)."""
     b, t, hq, d = q.shape
     hkv = k_cache.shape[1]
     n = pos + t
-    k = k_cache[:, :, :n]
-    v = v_cache[:, :, :n]
+    start = 0 if window is None else max(0, pos - window + 1)  # keys no query of this call can see
+    k = k_cache[:, :, start:n]
+    v = v_cache[:, :, start:n]
     if hq != hkv:
         k = k.repeat_interleave(hq // hkv, dim=1)
         v = v.repeat_interleave(hq // hkv, dim=1)
+    windowed = window is not None and n - start > window
     mask = None
-    if t > 1 and pos > 0:
+    if (t > 1 and pos > 0) or windowed or softcap is not None:
         rows = torch.arange(pos, n, device=q.device).view(t, 1)
-        mask = torch.arange(n, device=q.device).view(1, n) <= rows
+        cols = torch.arange(start, n, device=q.device).view(1, n - start)
+        mask = cols <= rows
+        if windowed:
+            mask = mask & (cols > rows - window)  # type: ignore[operator]
+    if softcap is not None:
+        scores = torch.matmul(q.transpose(1, 2).float(), k.float().transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # type: ignore[operator]
+        return torch.matmul(probs, v.float()).to(q.dtype).transpose(1, 2)
     with _sdpa_backends(q.device):
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=mask, is_causal=(t > 1 and pos == 0), scale=scale
+            q.transpose(1, 2), k, v, attn_mask=mask, is_causal=(mask is None and t > 1), scale=scale
         )
     return out.transpose(1, 2)
 
@@ -117,14 +136,25 @@ def _sdpa_backends(device: torch.device) -> ContextManager[object]:
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D] against the first seq_len cached positions -> [B, Hq, D]."""
-    return attention(q.unsqueeze(1), k_cache, v_cache, seq_len - 1, scale).squeeze(1)
+    """q [B, Hq, D] against the first seq_len cached positions (the last `window` of them) -> [B, Hq, D]."""
+    return attention(q.unsqueeze(1), k_cache, v_cache, seq_len - 1, scale, window, softcap).squeeze(1)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) (tanh approximation, transformers' gelu_pytorch_tanh) * up."""
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -152,15 +182,29 @@ def rope_cache_write_at(
 
 
 def decode_attention_at(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, length: int, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    length: int,
+    scale: float,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
-    """decode_attention over cache[:, :, :length] with positions after the device tensor `pos` masked."""
+    """decode_attention over cache[:, :, :length] with positions after the device tensor `pos` masked, and with
+    a `window`, positions at or before `pos - window` too (the window start is computed on the device, so a
+    CUDA graph captured once serves every position)."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     k = k_cache[:, :, :length]
     v = v_cache[:, :, :length]
     qg = q.view(b, hkv, hq // hkv, d)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
-    masked = torch.arange(length, device=q.device) > pos
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    cols = torch.arange(length, device=q.device)
+    masked = cols > pos
+    if window is not None and length > window:
+        masked = masked | (cols <= pos - window)
     probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1).to(v.dtype)
     return torch.matmul(probs, v).view(b, hq, d)

@@ -1,0 +1,21 @@
+"""Model descriptions, one module per family, registered by config.json `model_type`.
+
+Importing this package registers every family; `lookup(model_type, architectures, where)` returns the
+description the loader and the model follow (see base.py and docs/dev/architectures.md).
+"""
+
+from kobold_backend.engine.architectures import llama  # noqa: F401  (registers its families)
+from kobold_backend.engine.architectures.base import (
+    Architecture,
+    Features,
+    LayerLayout,
+    Linear,
+    RopeSpec,
+    lookup,
+    register,
+    supported_class_names,
+    supported_model_types,
+)
+
+__all__ = ["Architecture", "Features", "LayerLayout", "Linear", "RopeSpec", "lookup", "register",
+           "supported_class_names", "supported_model_types"]

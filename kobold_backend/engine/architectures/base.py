@@ -1,0 +1,195 @@
+"""What an architecture description is: how to read its config.json and where its tensors live.
+
+An `Architecture` turns the raw config into `Features` (switches the generic `Model` reads: biases, q/k norm,
+norm placement, activation, scales, soft-capping, per-layer sliding windows and RoPE) and names the checkpoint
+tensors of one decoder layer (`LayerLayout`). The loader and the model never branch on `model_type`; a new family
+is one module in this package that subclasses `Architecture` and registers itself (see docs/dev/architectures.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+
+from kobold_backend.errors import ModelFormatError
+
+if TYPE_CHECKING:
+    from kobold_backend.engine.config import ModelConfig, RopeScaling
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """One RoPE table: its base and its scaling (None: plain)."""
+
+    theta: float
+    scaling: Optional[RopeScaling] = None
+
+    @property
+    def attention_factor(self) -> float:
+        """What the tables' cos and sin are multiplied by (LongRoPE's attention scaling; 1 otherwise)."""
+        return 1.0 if self.scaling is None else self.scaling.attention_factor
+
+
+@dataclass(frozen=True)
+class Features:
+    """The switches of one model that the generic forward reads. Defaults are Llama's.
+
+    - `biases`: projections that carry a bias (`q_proj`, ..., or fused `qkv_proj`).
+    - `qk_norm`: RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3).
+    - `norm_offset`: added to every RMSNorm weight at load (Gemma's `(1 + weight)`).
+    - `attn_out_norm` / `mlp_out_norm`: RMSNorm on the attention / MLP output before the residual add (Gemma 2/3).
+    - `activation`: the gate activation of the MLP (`silu`, `gelu_tanh`).
+    - `embed_scale`: embeddings are multiplied by it (in the compute dtype) before the first layer (Gemma).
+    - `attn_scale`: multiplies q·k (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5).
+    - `attn_softcap` / `final_softcap`: `c * tanh(x / c)` on attention scores / final logits (Gemma 2).
+    - `windows`: per layer, the sliding-window length (None: full attention).
+    - `ropes`: per layer, the RoPE table it uses (Gemma 3 local/global layers differ).
+    """
+
+    biases: Tuple[str, ...] = ()
+    qk_norm: bool = False
+    norm_offset: float = 0.0
+    attn_out_norm: bool = False
+    mlp_out_norm: bool = False
+    activation: str = "silu"
+    embed_scale: Optional[float] = None
+    attn_scale: Optional[float] = None
+    attn_softcap: Optional[float] = None
+    final_softcap: Optional[float] = None
+    windows: Tuple[Optional[int], ...] = ()
+    ropes: Tuple[RopeSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One projection of a decoder layer: its checkpoint prefix (under `model.layers.N.`) and its [in, out] size.
+
+    `parts` names the logical projections a fused checkpoint tensor holds, in output order, with their sizes
+    (e.g. Phi-3's `self_attn.qkv_proj` holds q_proj, k_proj, v_proj)."""
+
+    prefix: str
+    in_features: int
+    out_features: int
+    parts: Tuple[Tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """The checkpoint tensors of one decoder layer, keyed by the name the model gives them.
+
+    `linears` keys are projection names (`q_proj`, ..., `qkv_proj`, `gate_up_proj`); `norms` keys are Layer fields
+    (`input_norm`, `post_norm` = the norm before the MLP, `attn_out_norm`, `mlp_out_norm`, `q_norm`, `k_norm`) with
+    (checkpoint name without `.weight`, size)."""
+
+    linears: Dict[str, Linear]
+    norms: Dict[str, Tuple[str, int]]
+    biased: Tuple[str, ...] = ()
+
+
+class Architecture:
+    """Base description: the Llama layout. Subclasses override what differs and call `register`."""
+
+    #: config.json `model_type` values this description reads
+    model_types: Tuple[str, ...] = ()
+    #: config.json `architectures` class names it accepts
+    class_names: Tuple[str, ...] = ()
+    #: fused checkpoint projections: {"qkv_proj": "self_attn.qkv_proj", "gate_up_proj": "mlp.gate_up_proj"}
+    fused: Dict[str, str] = {}
+
+    def features(self, raw: Dict[str, Any], config: ModelConfig, where: str) -> Features:
+        """Read the architecture-specific switches. The default is Llama's (with its attention_bias/mlp_bias)."""
+        biases: Tuple[str, ...] = ()
+        if raw.get("attention_bias"):
+            biases += ("q_proj", "k_proj", "v_proj", "o_proj")
+        if raw.get("mlp_bias"):
+            biases += ("gate_proj", "up_proj", "down_proj")
+        return Features(biases=biases)
+
+    def layout(self, config: ModelConfig, index: int) -> LayerLayout:
+        """Where layer `index` keeps its tensors; the default is the Llama layout with optional fused projections."""
+        h, inter = config.hidden_size, config.intermediate_size
+        qd, kvd = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        linears: Dict[str, Linear] = {}
+        if "qkv_proj" in self.fused:
+            linears["qkv_proj"] = Linear(self.fused["qkv_proj"], h, qd + 2 * kvd,
+                                         (("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)))
+        else:
+            linears.update(q_proj=Linear("self_attn.q_proj", h, qd), k_proj=Linear("self_attn.k_proj", h, kvd),
+                           v_proj=Linear("self_attn.v_proj", h, kvd))
+        linears["o_proj"] = Linear("self_attn.o_proj", qd, h)
+        if "gate_up_proj" in self.fused:
+            linears["gate_up_proj"] = Linear(self.fused["gate_up_proj"], h, 2 * inter,
+                                             (("gate_proj", inter), ("up_proj", inter)))
+        else:
+            linears.update(gate_proj=Linear("mlp.gate_proj", h, inter), up_proj=Linear("mlp.up_proj", h, inter))
+        linears["down_proj"] = Linear("mlp.down_proj", inter, h)
+        f = config.features
+        norms = {"input_norm": ("input_layernorm", h)}
+        if f.attn_out_norm:
+            norms["attn_out_norm"] = ("post_attention_layernorm", h)
+            norms["post_norm"] = ("pre_feedforward_layernorm", h)
+        else:
+            norms["post_norm"] = ("post_attention_layernorm", h)
+        if f.mlp_out_norm:
+            norms["mlp_out_norm"] = ("post_feedforward_layernorm", h)
+        if f.qk_norm:
+            norms["q_norm"] = ("self_attn.q_norm", config.head_dim)
+            norms["k_norm"] = ("self_attn.k_norm", config.head_dim)
+        return LayerLayout(linears, norms, f.biases)
+
+    def build_mlp(self, loader: Any, config: ModelConfig, index: int) -> Optional[Any]:
+        """Hook for a non-dense MLP (routed experts): return an object the layer calls instead of gate/up/down.
+
+        `loader` is the loader's per-layer context (see engine/loader.py `LayerLoader`). None: the dense MLP."""
+        return None
+
+
+def uniform_windows(raw: Dict[str, Any], config: ModelConfig, where: str) -> Tuple[Optional[int], ...]:
+    """`sliding_window` applied to every layer (Mistral); null or absent: full attention everywhere."""
+    window = positive_window(raw.get("sliding_window"), where)
+    return (window,) * config.num_layers
+
+
+def positive_window(value: Any, where: str) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelFormatError(f"{where}: sliding_window must be a positive integer or null, found {value!r}.")
+    return int(value)
+
+
+_REGISTRY: Dict[str, Architecture] = {}
+_BY_CLASS: Dict[str, Architecture] = {}
+
+
+def register(arch: Architecture) -> Architecture:
+    for name in arch.model_types:
+        _REGISTRY[name] = arch
+    for name in arch.class_names:
+        _BY_CLASS[name] = arch
+    return arch
+
+
+def supported_model_types() -> Tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def supported_class_names() -> Tuple[str, ...]:
+    return tuple(sorted(_BY_CLASS))
+
+
+def lookup(model_type: Any, class_names: Any, where: str) -> Architecture:
+    """The description for a config's `model_type`; its `architectures` must name classes of the same family."""
+    arch = _REGISTRY.get(model_type) if isinstance(model_type, str) else None
+    if arch is None:
+        raise ModelFormatError(
+            f"{where}: model_type {model_type!r} is not supported; this engine runs "
+            f"{', '.join(supported_model_types())}."
+        )
+    for name in class_names or []:
+        if name not in arch.class_names:
+            raise ModelFormatError(
+                f"{where}: architecture {name!r} does not match model_type {model_type!r} "
+                f"(expected one of {', '.join(arch.class_names)})."
+            )
+    return arch
