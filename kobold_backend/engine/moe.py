@@ -17,7 +17,7 @@ is down(act(gate(x)) * up(x)) scaled by its routing weight, summed over the k ex
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -91,10 +91,10 @@ class ExpertStack:
         return ExpertStack(self.in_features, self.out_features, pick(self.weight), pick(self.qweight),
                            pick(self.scales), pick(self.zeros), pick(self.perm), self.group_size)
 
-    @property
-    def nbytes(self) -> int:
-        parts = (self.weight, self.qweight, self.scales, self.zeros, self.perm)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+    def tensors(self) -> Iterator[torch.Tensor]:
+        for t in (self.weight, self.qweight, self.scales, self.zeros, self.perm):
+            if t is not None:
+                yield t
 
 
 def stack_expert_mlps(gates: Sequence[Weight], ups: Sequence[Weight],
@@ -123,12 +123,6 @@ class RoutedExperts:
     def num_experts(self) -> int:
         return self.down.num_experts
 
-    @property
-    def nbytes(self) -> int:
-        router = self.router.nbytes if isinstance(self.router, GPTQWeight) else \
-            self.router.numel() * self.router.element_size()
-        return router + sum(s.nbytes for s in (self.gate_up, self.up, self.down) if s is not None)
-
     def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(weights [M, k] in x's dtype, expert ids [M, k]) for rows x [M, H]."""
         probs = torch.softmax(_project(x, self.router).float(), dim=-1)
@@ -137,7 +131,16 @@ class RoutedExperts:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def tensors(self) -> Iterator[Any]:
+        """Every weight held (for Model.nbytes): the router (a tensor or a GPTQWeight) and the stacks' tensors."""
+        yield self.router
+        for stack in (self.gate_up, self.up, self.down):
+            if stack is not None:
+                yield from stack.tensors()
+
+    def __call__(self, x: torch.Tensor, index: int = 0, passthrough: Optional[Any] = None) -> torch.Tensor:
+        """The block's output for normed hidden states x [..., H]. Low-rank passthrough deltas address named
+        dense projections and do not apply to experts."""
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         weights, experts = self.route(rows)
