@@ -135,8 +135,8 @@ class ModelConfig:
             head_dim=head_dim,
             vocab_size=vocab,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rope_scaling=parse_rope_scaling(raw, head_dim, where),
+            rope_theta=rope_theta(raw),
+            rope_scaling=parse_rope_scaling(raw, rope_settings(raw), head_dim, where),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=bos,
@@ -198,10 +198,29 @@ def _special_ids(raw: Dict[str, Any], folder: Optional[Path]) -> Tuple[Optional[
     return (int(bos) if bos is not None else None), eos
 
 
-def parse_rope_scaling(raw: Dict[str, Any], head_dim: int, where: str,
-                       key: str = "rope_scaling") -> Optional[RopeScaling]:
-    """The `rope_scaling` object of config.json (None when absent or "default")."""
-    value = raw.get(key)
+def rope_settings(raw: Dict[str, Any]) -> Any:
+    """The RoPE scaling object: `rope_scaling` (transformers 4 and the Hub's configs) or `rope_parameters`
+    (what transformers 5 writes; it holds rope_theta too). Where `rope_parameters` is keyed by layer type
+    (Gemma 3), the global layers' entry is the model's; the description reads the others."""
+    return raw.get("rope_scaling") or _global_rope_parameters(raw)
+
+
+def _global_rope_parameters(raw: Dict[str, Any]) -> Any:
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        return params["full_attention"]
+    return params
+
+
+def rope_theta(raw: Dict[str, Any], default: float = 10000.0) -> float:
+    params = _global_rope_parameters(raw)
+    if raw.get("rope_theta") is None and isinstance(params, dict) and params.get("rope_theta") is not None:
+        return float(params["rope_theta"])
+    return float(raw.get("rope_theta") or default)
+
+
+def parse_rope_scaling(raw: Dict[str, Any], value: Any, head_dim: int, where: str) -> Optional[RopeScaling]:
+    """A `rope_scaling` / `rope_parameters` object (None when absent or "default")."""
     if not value:
         return None
     if not isinstance(value, dict):
@@ -239,12 +258,11 @@ def _longrope(raw: Dict[str, Any], value: Dict[str, Any], head_dim: int, where: 
                                    f"numbers, found {f!r:.60}.")
         factors.append(tuple(float(x) for x in f))
     max_pos = int(raw.get("max_position_embeddings", 2048))
-    if raw.get("original_max_position_embeddings"):
-        original = int(raw["original_max_position_embeddings"])
-        factor = max_pos / original
-    else:
-        original = max_pos
-        factor = float(value.get("factor") or 1.0)
+    # transformers 5: the top-level original_max_position_embeddings (Phi-3) wins; the scaling factor is the
+    # object's `factor` when given, else max_position_embeddings / original
+    original = int(raw.get("original_max_position_embeddings") or value.get("original_max_position_embeddings")
+                   or max_pos)
+    factor = float(value.get("factor") or max_pos / original)
     attention = value.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))

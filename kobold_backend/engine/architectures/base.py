@@ -103,7 +103,7 @@ class Architecture:
             biases += ("q_proj", "k_proj", "v_proj", "o_proj")
         if raw.get("mlp_bias"):
             biases += ("gate_proj", "up_proj", "down_proj")
-        return Features(biases=biases)
+        return Features(biases=biases, activation=activation(raw, where))
 
     def layout(self, config: ModelConfig, index: int) -> LayerLayout:
         """Where layer `index` keeps its tensors; the default is the Llama layout with optional fused projections."""
@@ -144,10 +144,35 @@ class Architecture:
         return None
 
 
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def activation(raw: Dict[str, Any], where: str, default: str = "silu") -> str:
+    """The MLP gate activation from `hidden_act` (or Gemma's `hidden_activation`), as a `model.ACTIVATIONS` key."""
+    name = raw.get("hidden_act") or raw.get("hidden_activation") or default
+    if name not in _ACTIVATIONS:
+        raise ModelFormatError(f"{where}: hidden_act {name!r} is not supported (supported: "
+                               f"{', '.join(sorted(_ACTIVATIONS))}).")
+    return _ACTIVATIONS[name]
+
+
 def uniform_windows(raw: Dict[str, Any], config: ModelConfig, where: str) -> Tuple[Optional[int], ...]:
     """`sliding_window` applied to every layer (Mistral); null or absent: full attention everywhere."""
     window = positive_window(raw.get("sliding_window"), where)
     return (window,) * config.num_layers
+
+
+def layer_type_windows(raw: Dict[str, Any], config: ModelConfig, window: Optional[int],
+                       default_types: Tuple[str, ...], where: str) -> Tuple[Optional[int], ...]:
+    """`window` on the layers config.json's `layer_types` (else `default_types`) marks "sliding_attention"."""
+    types = raw.get("layer_types") or default_types
+    if not isinstance(types, (list, tuple)) or len(types) != config.num_layers:
+        raise ModelFormatError(f"{where}: layer_types must list one type per layer ({config.num_layers}).")
+    unknown = [t for t in types if t not in ("sliding_attention", "full_attention")]
+    if unknown:
+        raise ModelFormatError(f"{where}: layer type {unknown[0]!r} is not supported "
+                               "(supported: sliding_attention, full_attention).")
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def positive_window(value: Any, where: str) -> Optional[int]:

@@ -99,8 +99,8 @@ class Gemma3(Gemma2):
             full, sliding = params["full_attention"], params.get("sliding_attention") or {}
             global_theta = float(full.get("rope_theta", 1_000_000.0))
             local_theta = float(sliding.get("rope_theta", 10_000.0))
-            global_scaling = parse_rope_scaling(dict(raw, rope_scaling=full), config.head_dim, where)
-            local_scaling = parse_rope_scaling(dict(raw, rope_scaling=sliding), config.head_dim, where)
+            global_scaling = parse_rope_scaling(raw, full, config.head_dim, where)
+            local_scaling = parse_rope_scaling(raw, sliding, config.head_dim, where)
         else:
             global_theta = float(raw.get("rope_theta") or 1_000_000.0)
             local_theta = float(raw.get("rope_local_base_freq") or 10_000.0)

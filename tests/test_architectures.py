@@ -1,0 +1,312 @@
+"""Every non-Llama architecture against transformers (CPU, float32): Qwen2/2.5, Qwen3, Phi-3 (fused projections,
+LongRoPE) and sliding-window attention (Mistral, Qwen2), dense and GPTQ.
+
+Fixtures are built by transformers' own model classes (tests/fixtures/arch_checkpoints.py); for GPTQ transformers
+loads the packer's dequantized weights, so both sides hold the same numbers and agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import pytest
+import torch
+
+from kobold_backend.engine.gptq import GPTQWeight
+from kobold_backend.engine.loader import LoadedModel, load_model
+from tests.fixtures.arch_checkpoints import ARCH_SPECS, ArchCheckpointFactory
+from tests.fixtures.checkpoints import BuiltCheckpoint
+from tests.fixtures.hf_oracle import hf_load, hf_step, row_rel_err
+
+ALL = [s.name for s in ARCH_SPECS]
+SWA = ["mistral_swa", "qwen2_swa"]
+LOGITS_RTOL = 1e-4
+REUSE_RTOL = 1e-5
+GREEDY_TOKENS = 32
+MAX_SEQ = 96  # below phi3_longrope's original context (128): the short factors, as transformers uses there
+
+
+def prompt_ids(built: BuiltCheckpoint, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, built.tokenizer_vocab_size - 3, (1, n), generator=g)
+    ids[0, 0] = built.bos_token_id
+    return ids
+
+
+@pytest.fixture(scope="module")
+def archs(tmp_path_factory: pytest.TempPathFactory) -> ArchCheckpointFactory:
+    return ArchCheckpointFactory(tmp_path_factory.mktemp("arch_fixtures"))
+
+
+@pytest.fixture(scope="module")
+def ours(archs: ArchCheckpointFactory) -> Callable[[str], LoadedModel]:
+    loaded: Dict[str, LoadedModel] = {}
+
+    def get(name: str) -> LoadedModel:
+        if name not in loaded:
+            loaded[name] = load_model(archs.get(name).path, device="cpu", max_seq_len=MAX_SEQ)
+        return loaded[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def hf(archs: ArchCheckpointFactory) -> Callable[[str], torch.nn.Module]:
+    loaded: Dict[str, torch.nn.Module] = {}
+
+    def get(name: str) -> torch.nn.Module:
+        if name not in loaded:
+            loaded[name] = hf_load(archs.get(name).oracle_path)
+        return loaded[name]
+
+    return get
+
+
+def greedy_both(lm: LoadedModel, ref_model: torch.nn.Module, prompt: torch.Tensor, steps: int):
+    """Greedy decoding through each side's KV cache: (our tokens, our step logits, ref tokens, ref logits)."""
+    cache = lm.model.new_cache()
+    logits = lm.model.forward(prompt, cache)
+    ours_t: List[int] = []
+    ours_l = []
+    for _ in range(steps):
+        ours_l.append(logits[0, -1])
+        ours_t.append(int(logits[0, -1].argmax()))
+        logits = lm.model.forward(torch.tensor([[ours_t[-1]]]), cache)
+    ref_logits, past = hf_step(ref_model, prompt, None)
+    ref_t: List[int] = []
+    ref_l = []
+    for _ in range(steps):
+        ref_l.append(ref_logits[0, -1])
+        ref_t.append(int(ref_logits[0, -1].argmax()))
+        ref_logits, past = hf_step(ref_model, torch.tensor([[ref_t[-1]]]), past)
+    return ours_t, ours_l, ref_t, ref_l
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_logits_match_transformers(name: str, archs, ours, hf, record_property) -> None:
+    built = archs.get(name)
+    ids = prompt_ids(built, 40, seed=1)
+    lm = ours(name)
+    logits = lm.model.forward(ids, lm.model.new_cache(), last_only=False)
+    with torch.no_grad():
+        ref = hf(name)(ids).logits
+    err = row_rel_err(logits, ref)
+    record_property("max_rel_err", err)
+    assert err < LOGITS_RTOL, f"{name}: max relative logit error {err:.3e}"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_greedy_matches_transformers(name: str, archs, ours, hf, record_property) -> None:
+    prompt = prompt_ids(archs.get(name), 16, seed=2)
+    ours_t, ours_l, ref_t, ref_l = greedy_both(ours(name), hf(name), prompt, GREEDY_TOKENS)
+    gaps = [float(v.topk(2).values[0] - v.topk(2).values[1]) for v in ref_l]
+    assert min(gaps) > 1e-3, f"fixture {name} has a near-tie on its greedy path (gap {min(gaps):.2e})"
+    assert ours_t == ref_t
+    err = max(row_rel_err(a, b) for a, b in zip(ours_l, ref_l))
+    record_property("max_step_rel_err", err)
+    assert err < LOGITS_RTOL, f"{name}: decode-step logits differ by {err:.3e}"
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "phi3"] + SWA)
+def test_prefix_reuse_matches_fresh_prefill(name: str, archs, ours) -> None:
+    built, lm = archs.get(name), ours(name)
+    a, b, c = prompt_ids(built, 20, 3), prompt_ids(built, 12, 4)[:, 1:], prompt_ids(built, 9, 5)[:, 1:]
+    fresh = lm.model.forward(torch.cat([a, b], 1), lm.model.new_cache(), last_only=False)[:, 20:]
+    cache = lm.model.new_cache()
+    lm.model.forward(torch.cat([a, c], 1), cache)
+    cache.truncate(20)
+    assert row_rel_err(lm.model.forward(b, cache, last_only=False), fresh) < REUSE_RTOL
+
+
+def test_fused_checkpoint_projections_stay_fused(archs, ours) -> None:
+    """Phi-3 stores qkv_proj and gate_up_proj fused (dense and GPTQ); the loader keeps them as one weight each."""
+    for name in ("phi3", "phi3_gptq"):
+        lm = ours(name)
+        cfg = lm.config
+        qkv = cfg.num_heads * cfg.head_dim + 2 * cfg.num_kv_heads * cfg.head_dim
+        for layer in lm.model.layers:
+            assert layer.q_proj is None and layer.gate_proj is None
+            width = [w.out_features if isinstance(w, GPTQWeight) else w.shape[0]
+                     for w in (layer.qkv_proj, layer.gate_up_proj)]
+            assert width == [qkv, 2 * cfg.intermediate_size]
+            assert isinstance(layer.qkv_proj, GPTQWeight) == (name == "phi3_gptq")
+            assert layer.weight("k_proj") is not None  # the per-projection view still works
+
+
+def test_qwen2_biases_are_loaded_for_dense_and_gptq(ours) -> None:
+    for name in ("qwen2", "qwen2_gptq"):
+        layer = ours(name).model.layers[0]
+        if name == "qwen2":
+            assert set(layer.biases) == {"qkv_proj"}
+        else:
+            assert isinstance(layer.qkv_proj, GPTQWeight) and layer.qkv_proj.bias is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sliding windows: prompts longer than the window, then decoding past it.
+
+
+def _edited(src: Path, dst: Path, **changes: object) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("name", SWA)
+def test_sliding_window_fixture_is_sensitive(name: str, archs, hf, tmp_path: Path) -> None:
+    """Full attention would give other logits: the long-context tests below really test the window."""
+    built = archs.get(name)
+    ids = prompt_ids(built, 40, seed=1)
+    cfg = json.loads((built.oracle_path / "config.json").read_text())
+    off = {"layer_types": ["full_attention"] * cfg["num_hidden_layers"]} if "layer_types" in cfg else {}
+    full = hf_load(_edited(built.oracle_path, tmp_path / name, sliding_window=None, use_sliding_window=False, **off))
+    with torch.no_grad():
+        assert row_rel_err(full(ids).logits[:, 10:], hf(name)(ids).logits[:, 10:]) > 1e-2
+
+
+@pytest.mark.parametrize("name", SWA)
+def test_sliding_window_long_prompt_then_decode(name: str, archs, ours, hf) -> None:
+    """A 24-token prompt (3 windows) prefilled in uneven chunks, then 48 greedy tokens: ours == transformers."""
+    built, lm, ref_model = archs.get(name), ours(name), hf(name)
+    prompt = prompt_ids(built, 24, seed=11)
+    cache = lm.model.new_cache()
+    for chunk in (prompt[:, :5], prompt[:, 5:17], prompt[:, 17:]):
+        logits = lm.model.forward(chunk, cache, last_only=False)
+    ref_logits, past = hf_step(ref_model, prompt, None)
+    assert row_rel_err(logits, ref_logits[:, 17:]) < LOGITS_RTOL
+    tokens, ref_tokens, errs = [], [], []
+    for _ in range(48):
+        errs.append(row_rel_err(logits[0, -1], ref_logits[0, -1]))
+        tokens.append(int(logits[0, -1].argmax()))
+        ref_tokens.append(int(ref_logits[0, -1].argmax()))
+        logits = lm.model.forward(torch.tensor([[tokens[-1]]]), cache)
+        ref_logits, past = hf_step(ref_model, torch.tensor([[ref_tokens[-1]]]), past)
+    assert tokens == ref_tokens
+    assert max(errs) < LOGITS_RTOL
+
+
+@pytest.mark.parametrize("name", SWA)
+def test_sliding_window_graph_step_matches_forward(name: str, archs, ours) -> None:
+    """decode_step (what a CUDA graph captures: device position, bucketed length) masks the window on the device."""
+    built, lm = archs.get(name), ours(name)
+    prompt = prompt_ids(built, 30, seed=12)
+    eager, graphy = lm.model.new_cache(), lm.model.new_cache()
+    lm.model.forward(prompt, eager)
+    lm.model.forward(prompt, graphy)
+    token = torch.tensor([[7]])
+    for step in range(20):
+        pos = graphy.reserve(1)
+        ref = lm.model.forward(token, eager)[0, -1]
+        got = lm.model.decode_step(token, torch.tensor([pos]), graphy, 64)[0, -1]
+        graphy.seq_len = pos + 1
+        assert row_rel_err(got, ref) < REUSE_RTOL, step
+        token = ref.argmax().view(1, 1)
+
+
+def test_sliding_window_context_shift_is_exact_on_one_layer(archs) -> None:
+    """On a one-layer model the cache after a shift must give the logits of a fresh prefill of the kept tokens,
+    window included (positions move; what a query can see moves with them)."""
+    lm = load_model(archs.get("mistral_swa").path, device="cpu", dtype="float32", max_seq_len=MAX_SEQ)
+    model = lm.model
+    del model.layers[1:], model.cos[1:], model.sin[1:]
+    ids = torch.randint(3, 900, (1, 60), generator=torch.Generator().manual_seed(0))
+    memory, dropped, kept, new = ids[:, :4], ids[:, 4:20], ids[:, 20:50], ids[:, 50:]
+    cache = model.new_cache()
+    model.forward(torch.cat([memory, dropped, kept], 1), cache)
+    model.shift_cache(cache, 4, 16)
+    shifted = model.forward(new, cache, last_only=False)
+    fresh = model.forward(torch.cat([memory, kept, new], 1), model.new_cache(), last_only=False)[:, -10:]
+    assert row_rel_err(shifted, fresh) < REUSE_RTOL
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LongRoPE: short factors below the original context, long factors (and the same attention factor) above it.
+
+
+def test_longrope_long_factors_match_transformers_past_the_original_context(archs, hf) -> None:
+    """A table longer than original_max_position_embeddings (128) uses the long factors from position 0; so does
+    transformers for a forward whose positions pass 128. Prefill 140 tokens, then decode 8 greedy tokens."""
+    built = archs.get("phi3_longrope")
+    lm = load_model(built.path, device="cpu", max_seq_len=256)
+    prompt = prompt_ids(built, 140, seed=13)
+    ours_t, ours_l, ref_t, ref_l = greedy_both(lm, hf("phi3_longrope"), prompt, 8)
+    assert ours_t == ref_t
+    assert max(row_rel_err(a, b) for a, b in zip(ours_l, ref_l)) < LOGITS_RTOL
+    with torch.no_grad():
+        ref = hf("phi3_longrope")(prompt).logits
+    assert row_rel_err(lm.model.forward(prompt, lm.model.new_cache(), last_only=False), ref) < LOGITS_RTOL
+
+
+def test_longrope_fixture_is_sensitive(archs, ours, hf, tmp_path: Path) -> None:
+    """Short vs long factors and the attention factor each change the logits, so the tests above see them."""
+    built = archs.get("phi3_longrope")
+    ids = prompt_ids(built, 40, seed=1)
+    long_table = load_model(built.path, device="cpu", max_seq_len=256)
+    short = ours("phi3_longrope").model.forward(ids, ours("phi3_longrope").model.new_cache(), last_only=False)
+    long = long_table.model.forward(ids, long_table.model.new_cache(), last_only=False)
+    assert row_rel_err(long, short) > 1e-2
+    cfg = json.loads((built.oracle_path / "config.json").read_text())
+    no_factor = hf_load(_edited(built.oracle_path, tmp_path / "af1",
+                                rope_scaling=dict(cfg["rope_scaling"], attention_factor=1.0)))
+    with torch.no_grad():
+        assert row_rel_err(no_factor(ids).logits, hf("phi3_longrope")(ids).logits) > 1e-2
+    assert abs(ours("phi3_longrope").model.rope_factors[0] - 1.1338934) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: native kernels in float16. Bound: 5e-3 relative logit error (fp16 activations and weights, as the Llama
+# oracle's GPU test), along transformers' greedy path (teacher-forced).
+
+GPU_RTOL = 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ALL)
+def test_gpu_logits_match_transformers(name: str, archs, hf, record_property) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    built = archs.get(name)
+    lm = load_model(built.path, device="cuda", dtype="float16", max_seq_len=MAX_SEQ)
+    ref_model = hf(name)
+    prompt = prompt_ids(built, 24, seed=10)
+    cache = lm.model.new_cache()
+    got = lm.model.forward(prompt.cuda(), cache, last_only=False)
+    ref, past = hf_step(ref_model, prompt, None)
+    errs = [row_rel_err(got.cpu(), ref)]
+    for _ in range(24):
+        token = ref[:, -1:].argmax(-1)
+        got = lm.model.forward(token.cuda(), cache)
+        ref, past = hf_step(ref_model, token, past)
+        errs.append(row_rel_err(got.cpu(), ref[:, -1:]))
+    record_property("max_rel_err", max(errs))
+    assert max(errs) < GPU_RTOL, f"{name}: max relative logit error {max(errs):.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ALL)
+def test_gpu_graph_decode_matches_transformers(name: str, archs, hf) -> None:
+    """CUDA-graph decode (device position; windows masked on the device) past the sliding window, teacher-forced."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from kobold_backend.engine.decode_graph import GraphDecoder
+
+    built = archs.get(name)
+    lm = load_model(built.path, device="cuda", dtype="float16", max_seq_len=MAX_SEQ)
+    ref_model = hf(name)
+    prompt = prompt_ids(built, 20, seed=14)
+    cache = lm.model.new_cache()
+    lm.model.forward(prompt.cuda(), cache)
+    graphs = GraphDecoder(lm.model, cache)
+    ref, past = hf_step(ref_model, prompt, None)
+    errs = []
+    for _ in range(40):
+        token = ref[:, -1:].argmax(-1)
+        got = graphs.step(int(token))
+        ref, past = hf_step(ref_model, token, past)
+        errs.append(row_rel_err(got.float().cpu(), ref[0, -1]))
+    assert max(errs) < GPU_RTOL, f"{name}: max relative logit error {max(errs):.3e}"
