@@ -77,19 +77,21 @@ def bench_exllamav2(path: str, prompt_lengths=(512, 2048), contexts=(128, 4000),
 def bench_transformers(
     path: str, prompt_length: int = 2048, context: int = 128, decode_steps: int = 64
 ) -> Dict[str, Any]:
-    """transformers fp16 on a dense model of the same shape, random weights built on the GPU (no disk)."""
+    """transformers fp16 on a dense model of the same architecture and shape, random weights built on the GPU
+    (no disk)."""
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
     except Exception as exc:
         return {"skipped": f"transformers is not importable here ({type(exc).__name__}: {exc})"}
     torch.backends.cuda.enable_cudnn_sdp(False)
     dev = torch.device("cuda")
     raw = json.loads((Path(path) / "config.json").read_text())
     raw.pop("quantization_config", None)
-    config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    config = AutoConfig.for_model(raw["model_type"],
+                                  **{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
     torch.cuda.reset_peak_memory_stats(dev)
     with torch.device(dev):
-        model = LlamaForCausalLM(config).half().eval()
+        model = AutoModelForCausalLM.from_config(config).half().eval()
     vocab = config.vocab_size
     out: Dict[str, Any] = {"version": _version("transformers")}
     with torch.inference_mode():

@@ -138,6 +138,12 @@ class RoutedExperts:
             if stack is not None:
                 yield from stack.tensors()
 
+    def unread_bytes_per_token(self) -> int:
+        """Bytes of the experts one token does not read (all but top_k of them): for decode rooflines."""
+        stacks = sum(sum(t.numel() * t.element_size() for t in s.tensors())
+                     for s in (self.gate_up, self.up, self.down) if s is not None)
+        return stacks * (self.num_experts - self.top_k) // self.num_experts
+
     def __call__(self, x: torch.Tensor, index: int = 0, passthrough: Optional[Any] = None) -> torch.Tensor:
         """The block's output for normed hidden states x [..., H]. Low-rank passthrough deltas address named
         dense projections and do not apply to experts."""
