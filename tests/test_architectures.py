@@ -8,6 +8,7 @@ loads the packer's dequantized weights, so both sides hold the same numbers and 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Callable, Dict, List
@@ -310,3 +311,161 @@ def test_gpu_graph_decode_matches_transformers(name: str, archs, hf) -> None:
         ref, past = hf_step(ref_model, token, past)
         errs.append(row_rel_err(got.float().cpu(), ref[0, -1]))
     assert max(errs) < GPU_RTOL, f"{name}: max relative logit error {max(errs):.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen2_gptq", "phi3_gptq", "qwen2_swa"])
+def test_gpu_layer_split_matches_transformers(name: str, archs, hf) -> None:
+    """Layer 0 on the GPU (fp16), layer 1 and the head's inputs crossing to the CPU (fp32): no per-arch code."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    built = archs.get(name)
+    lm = load_model(built.path, device="cuda", dtype="float16", max_seq_len=MAX_SEQ, layer_devices=["cuda", "cpu"])
+    prompt = prompt_ids(built, 30, seed=16)
+    got = lm.model.forward(prompt.cuda(), lm.model.new_cache(), last_only=False)
+    with torch.no_grad():
+        ref = hf(name)(prompt).logits
+    assert row_rel_err(got.cpu(), ref) < GPU_RTOL
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every host runs every architecture with no code of its own: United's folder check, the server's model report,
+# the generator, the split planner.
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_united_accepts_the_folder_and_the_planner_counts_it(name: str, archs, ours) -> None:
+    from kobold_backend.engine.config import ModelConfig
+    from kobold_backend.engine.device_map import Sizes, checkpoint_shapes, config_shapes, plan_device_map
+    from kobold_backend.host.backend import check_model_folder
+    from kobold_backend.host.parameters import requested_parameters
+
+    built, lm = archs.get(name), ours(name)
+    assert check_model_folder(built.path) is None
+    dialog = {p["id"]: p for p in requested_parameters(built.path, {}, gpus=[])}
+    assert dialog["valid_layers"]["label"].endswith(f"/{lm.config.num_layers}") and "CPU_Layers" in dialog
+    shapes = checkpoint_shapes(built.path)
+    assert config_shapes(ModelConfig.from_dir(built.path)) == shapes
+    dm = plan_device_map(built.path, None, MAX_SEQ, layer_counts={"cpu": lm.config.num_layers})
+    (usage,) = dm.usage
+    assert usage.weight_bytes == lm.model.nbytes
+    assert usage.cache_bytes == lm.model.new_cache().nbytes
+    sizes = Sizes(lm.config, shapes, MAX_SEQ)
+    for i, layer in enumerate(lm.model.layers):
+        held = [w for w in layer.tensors()]
+        assert sizes.layer(i, 4) == sum(w.nbytes if isinstance(w, GPTQWeight) else w.numel() * w.element_size()
+                                        for w in held)
+
+
+def test_server_names_the_architecture(archs) -> None:
+    from tests.server_helpers import make_app
+
+    app = make_app(archs.get("phi3").path)
+    try:
+        c = app.test_client()
+        assert c.get("/api/v1/model").get_json() == {"result": "kobold_backend/phi3", "architecture": "Phi3ForCausalLM"}
+        assert c.get("/ui/status").get_json()["architecture"] == "Phi3ForCausalLM"
+    finally:
+        app.extensions["kobold_backend"].close()
+
+
+@pytest.mark.parametrize("name", ["qwen2_swa", "qwen3_gptq", "phi3_longrope"])
+def test_generator_greedy_matches_transformers(name: str, archs, ours, hf) -> None:
+    """The engine's Generator (lane, chunked prefill, sampler at temperature 0) gives transformers' greedy tokens."""
+    from kobold_backend.engine.generator import GenerationRequest, Generator
+    from kobold_backend.engine.sampling import SamplerSettings
+
+    built, lm = archs.get(name), ours(name)
+    prompt = prompt_ids(built, 20, seed=15)
+    out = Generator(lm.model, lm.tokenizer).generate(
+        GenerationRequest(prompt[0].tolist(), 24, SamplerSettings(temperature=0), ban_eos=True))
+    _, _, ref_t, _ = greedy_both(lm, hf(name), prompt, 24)
+    assert out.token_ids == ref_t
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configs this engine cannot run: one precise message each, before any weight is read.
+
+LONG_SHORT = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+QWEN2 = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=160,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+PHI3 = dict(QWEN2, model_type="phi3", architectures=["Phi3ForCausalLM"], max_position_embeddings=512,
+            original_max_position_embeddings=128)
+
+
+@pytest.mark.parametrize("raw, words", [
+    (dict(QWEN2, architectures=["LlamaForCausalLM"]), ["LlamaForCausalLM", "qwen2"]),
+    (dict(QWEN2, model_type="qwen9"), ["qwen9", "qwen2", "phi3"]),
+    (dict(QWEN2, hidden_act="relu"), ["hidden_act", "relu"]),
+    (dict(QWEN2, use_sliding_window=True, sliding_window=-4), ["sliding_window", "-4"]),
+    (dict(QWEN2, use_sliding_window=True, sliding_window=8, max_window_layers="x"), ["max_window_layers"]),
+    (dict(QWEN2, layer_types=["full_attention"]), ["layer_types", "2"]),
+    (dict(QWEN2, layer_types=["full_attention", "chunked_attention"]), ["chunked_attention"]),
+    (dict(PHI3, partial_rotary_factor=0.75), ["partial_rotary_factor"]),
+    (dict(PHI3, rope_scaling=dict(LONG_SHORT, type="longrope", short_factor=[1.0] * 3)), ["short_factor", "8"]),
+    (dict(PHI3, rope_scaling={"type": "yarn", "factor": 4.0}), ["yarn"]),
+])
+def test_unsupported_configs_name_their_problem(raw: dict, words: List[str]) -> None:
+    from kobold_backend.engine.config import ModelConfig
+    from kobold_backend.errors import ModelFormatError
+
+    with pytest.raises(ModelFormatError) as info:
+        ModelConfig.from_dict(raw)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_longrope_reads_hub_and_transformers5_spellings() -> None:
+    """'su' and 'longrope', under rope_scaling (the Hub) or rope_parameters (what transformers 5 writes)."""
+    from kobold_backend.engine.config import ModelConfig
+
+    for key, kind in (("rope_scaling", "su"), ("rope_scaling", "longrope"), ("rope_parameters", "longrope")):
+        cfg = ModelConfig.from_dict(dict(PHI3, **{key: dict(LONG_SHORT, type=kind, rope_theta=5000.0)}))
+        scaling = cfg.rope_scaling
+        assert scaling is not None and scaling.rope_type == "longrope"
+        assert scaling.original_max_position_embeddings == 128 and scaling.factor == 4.0
+        assert abs(scaling.attention_factor - (1 + math.log(4) / math.log(128)) ** 0.5) < 1e-12
+        assert cfg.rope_theta == (5000.0 if key == "rope_parameters" else 10000.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The attention ops' window and soft-cap arguments (Gemma's hooks too) against the formula written out per query.
+
+
+def _direct_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: List[int], scale: float,
+                      window, softcap) -> torch.Tensor:
+    """q [Hq, D] rows at `positions`; k, v [Hkv, S, D]; float64, one query and one head at a time."""
+    hq, hkv = q.shape[1], k.shape[0]
+    out = torch.zeros(len(positions), hq, q.shape[-1], dtype=torch.float64)
+    for r, i in enumerate(positions):
+        lo = 0 if window is None else max(0, i - window + 1)
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            s = (k[kv, lo : i + 1].double() @ q[r, h].double()) * scale
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            out[r, h] = torch.softmax(s, 0) @ v[kv, lo : i + 1].double()
+    return out
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 7.0), (4, 3.0), (64, None)])
+def test_attention_ops_window_and_softcap(window, softcap) -> None:
+    from kobold_backend import ops
+
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, s = 4, 2, 16, 40
+    k_cache = torch.randn(1, hkv, s, d, generator=g)
+    v_cache = torch.randn(1, hkv, s, d, generator=g)
+    q = 2.0 * torch.randn(1, 12, hq, d, generator=g)
+    scale = d ** -0.5
+    for pos in (0, 9):  # a first chunk and a later one
+        got = ops.attention(q, k_cache, v_cache, pos, scale, window=window, softcap=softcap)[0]
+        want = _direct_attention(q[0], k_cache[0], v_cache[0], list(range(pos, pos + 12)), scale, window, softcap)
+        assert (got.double() - want).abs().max() < 1e-5
+    for n in (3, 20, 40):
+        want = _direct_attention(q[0, :1], k_cache[0], v_cache[0], [n - 1], scale, window, softcap)[0]
+        got = ops.decode_attention(q[:, 0], k_cache, v_cache, n, scale, window=window, softcap=softcap)[0]
+        assert (got.double() - want).abs().max() < 1e-5
+        at = ops.decode_attention_at(q[:, 0], k_cache, v_cache, torch.tensor([n - 1]), s, scale,
+                                     window=window, softcap=softcap)[0]
+        assert (at.double() - want).abs().max() < 1e-5

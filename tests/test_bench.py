@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from kobold_backend.bench.checkpoint import PRESETS, write_synthetic_gptq
 from kobold_backend.cli import main
@@ -44,6 +45,31 @@ def test_synthetic_checkpoint_is_a_valid_gptq_model(tmp_path: Path) -> None:
     assert config.num_kv_heads == PRESETS["tiny"].kv_heads
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "phi3", "mistral"])
+def test_synthetic_checkpoint_follows_the_architecture_layout(model_type: str, tmp_path: Path) -> None:
+    """Presets of any registered architecture write exactly the tensors its description names, and load."""
+    from kobold_backend.bench.checkpoint import Shape
+    from kobold_backend.engine.device_map import checkpoint_shapes, config_shapes
+    from kobold_backend.engine.loader import load_model
+
+    shape = Shape(128, 384, 2, 4, 2, 512, model_type=model_type, head_dim=64 if model_type == "qwen3" else None)
+    folder = write_synthetic_gptq(tmp_path / model_type, shape, group_size=32, device="cpu")
+    config = ModelConfig.from_dir(folder)
+    assert config.model_type == model_type and config_shapes(config) == checkpoint_shapes(folder)
+    lm = load_model(folder, device="cpu", with_tokenizer=False, max_seq_len=32)
+    logits = lm.model.forward(torch.tensor([[1, 5, 9]]), lm.model.new_cache())
+    assert torch.isfinite(logits).all()
+
+
+def test_every_preset_is_a_valid_config() -> None:
+    from kobold_backend.bench.checkpoint import synthetic_config
+
+    for name, shape in PRESETS.items():
+        config = ModelConfig.from_dict(synthetic_config(shape))
+        assert (config.model_type, config.num_layers, config.num_kv_heads) == (shape.model_type, shape.layers,
+                                                                               shape.kv_heads), name
+
+
 @pytest.mark.parametrize("preset, model_type", [("tiny-gemma2", "gemma2"), ("tiny-mixtral", "mixtral")])
 def test_synthetic_checkpoints_of_other_families(tmp_path: Path, preset: str, model_type: str) -> None:
     """The Gemma-2 and Mixtral presets' writer: the family's checkpoint names (per-expert GPTQ for Mixtral), one
@@ -66,9 +92,9 @@ def test_synthetic_checkpoints_of_other_families(tmp_path: Path, preset: str, mo
     with WeightReader(folder) as reader:
         names = set(reader.names())
     if model_type == "mixtral":
-        last = shape.experts - 1
+        last = dict(shape.extra_config)["num_local_experts"] - 1
         assert f"model.layers.1.block_sparse_moe.experts.{last}.w2.qweight" in names
-        assert "model.layers.1.block_sparse_moe.gate.weight" in names
+        assert "model.layers.1.block_sparse_moe.gate.weight" in names  # routers stay dense, as in GPTQ repos
     else:
         assert "model.layers.1.post_feedforward_layernorm.weight" in names and "lm_head.weight" not in names
     lm = load_model(folder, device="cpu", with_tokenizer=False, max_seq_len=32)

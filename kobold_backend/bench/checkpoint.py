@@ -4,7 +4,6 @@ Weight values do not change speed; scales are kept small so activations stay fin
 decoding is meaningful enough to compare graph and eager outputs. Tensors are drawn on the GPU when there is
 one and written one safetensors shard per layer (plus one for the embeddings and head) with an index, so no more
 than one layer is ever held in host memory: a Mixtral-8x7B-shaped checkpoint (~25 GB) is written at disk speed.
-Names and config.json follow each family's Hub checkpoints (Llama, Gemma 2, Mixtral with per-expert GPTQ).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from safetensors.torch import save_file
@@ -20,6 +19,8 @@ from safetensors.torch import save_file
 
 @dataclass(frozen=True)
 class Shape:
+    """A model shape; `model_type` picks the architecture description, whose layout names the tensors written."""
+
     hidden: int
     intermediate: int
     layers: int
@@ -27,23 +28,38 @@ class Shape:
     kv_heads: int
     vocab: int
     rope_theta: float = 10000.0
-    family: str = "llama"  # "llama" | "gemma2" | "mixtral"
-    head_dim: Optional[int] = None  # None: hidden // heads
-    experts: int = 0  # routed experts per layer (mixtral); intermediate is one expert's
-    top_k: int = 0
+    model_type: str = "llama"
+    head_dim: Optional[int] = None
+    tie_word_embeddings: bool = False
+    extra_config: Tuple[Tuple[str, Any], ...] = ()  # further config.json keys (experts, windows, ...)
 
+
+_GEMMA2 = (("hidden_activation", "gelu_pytorch_tanh"), ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
+           ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0), ("rms_norm_eps", 1e-6))
+_MIXTRAL = (("num_local_experts", 8), ("num_experts_per_tok", 2), ("sliding_window", None))
 
 PRESETS: Dict[str, Shape] = {
     "llama2-7b": Shape(4096, 11008, 32, 32, 32, 32000),
     "llama2-13b": Shape(5120, 13824, 40, 40, 40, 32000),
     "llama3-8b": Shape(4096, 14336, 32, 32, 8, 128256, rope_theta=500000.0),
-    "gemma2-9b": Shape(3584, 14336, 42, 16, 8, 256000, family="gemma2", head_dim=256),
-    "mixtral-8x7b": Shape(4096, 14336, 32, 32, 8, 32000, rope_theta=1e6, family="mixtral", experts=8, top_k=2),
-    # the same layers, 8 of 32: ~6 GB instead of ~25 GB to write and load; decode tok/s is ~4x the full model's
-    "mixtral-8x7b-8l": Shape(4096, 14336, 8, 32, 8, 32000, rope_theta=1e6, family="mixtral", experts=8, top_k=2),
+    # Qwen2.5-7B-Instruct: q/k/v biases, 28 heads over 4 KV heads, a 152k vocabulary, untied head
+    "qwen2.5-7b": Shape(3584, 18944, 28, 28, 4, 152064, rope_theta=1000000.0, model_type="qwen2",
+                        extra_config=(("use_sliding_window", False), ("sliding_window", 131072),
+                                      ("max_window_layers", 28))),
+    # Gemma-2-9B: head_dim 256, soft-caps, local/global layers with a 4096 window, 256k vocabulary, tied head
+    "gemma2-9b": Shape(3584, 14336, 42, 16, 8, 256000, model_type="gemma2", head_dim=256, tie_word_embeddings=True,
+                       extra_config=_GEMMA2),
+    # Mixtral-8x7B: 8 experts of 14336, top-2, per-expert GPTQ (~25 GB); "-8l": the same with 8 of its 32 layers
+    # (~6 GB to write and load when device time is short; decode tok/s is then ~4x the full model's)
+    "mixtral-8x7b": Shape(4096, 14336, 32, 32, 8, 32000, rope_theta=1e6, model_type="mixtral",
+                          extra_config=_MIXTRAL),
+    "mixtral-8x7b-8l": Shape(4096, 14336, 8, 32, 8, 32000, rope_theta=1e6, model_type="mixtral",
+                             extra_config=_MIXTRAL),
     "tiny": Shape(128, 384, 2, 4, 2, 512),
-    "tiny-gemma2": Shape(128, 384, 2, 4, 2, 512, family="gemma2", head_dim=64),
-    "tiny-mixtral": Shape(128, 384, 2, 4, 2, 512, family="mixtral", experts=4, top_k=2),
+    "tiny-gemma2": Shape(128, 384, 2, 4, 2, 512, model_type="gemma2", head_dim=64, tie_word_embeddings=True,
+                         extra_config=_GEMMA2),
+    "tiny-mixtral": Shape(128, 384, 2, 4, 2, 512, model_type="mixtral",
+                          extra_config=(("num_local_experts", 4), ("num_experts_per_tok", 2))),
 }
 
 
@@ -61,35 +77,22 @@ def _gptq_tensors(
     return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
 
 
-def _mlp_linears(shape: Shape) -> Iterator[Tuple[str, int, int]]:
-    """(checkpoint prefix under the layer, in, out) of every MLP linear."""
-    h, i = shape.hidden, shape.intermediate
-    if shape.family == "mixtral":
-        for e in range(shape.experts):
-            p = f"block_sparse_moe.experts.{e}"
-            yield from ((f"{p}.w1", h, i), (f"{p}.w3", h, i), (f"{p}.w2", i, h))
-    else:
-        yield from (("mlp.gate_proj", h, i), ("mlp.up_proj", h, i), ("mlp.down_proj", i, h))
+def synthetic_config(shape: Shape, max_position_embeddings: int = 8192) -> Dict[str, Any]:
+    """config.json of a synthetic checkpoint of `shape`."""
+    from kobold_backend.engine.architectures import lookup
 
-
-def _config(shape: Shape, head_dim: int, max_position_embeddings: int) -> Dict[str, Any]:
+    arch = lookup(shape.model_type, [], "bench preset")
     config: Dict[str, Any] = {
-        "hidden_size": shape.hidden, "intermediate_size": shape.intermediate, "num_hidden_layers": shape.layers,
-        "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "head_dim": head_dim,
-        "vocab_size": shape.vocab, "rms_norm_eps": 1e-5, "rope_theta": shape.rope_theta,
-        "max_position_embeddings": max_position_embeddings, "bos_token_id": 1, "eos_token_id": 2,
-        "torch_dtype": "float16", "tie_word_embeddings": False,
+        "architectures": [arch.class_names[0]], "model_type": shape.model_type, "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate, "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "vocab_size": shape.vocab,
+        "rms_norm_eps": 1e-5, "rope_theta": shape.rope_theta, "max_position_embeddings": max_position_embeddings,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16",
+        "tie_word_embeddings": shape.tie_word_embeddings,
     }
-    if shape.family == "gemma2":
-        config.update(architectures=["Gemma2ForCausalLM"], model_type="gemma2", rms_norm_eps=1e-6,
-                      tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
-                      hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=head_dim, sliding_window=4096,
-                      attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
-    elif shape.family == "mixtral":
-        config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=shape.experts,
-                      num_experts_per_tok=shape.top_k, sliding_window=None)
-    else:
-        config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    if shape.head_dim is not None:
+        config["head_dim"] = shape.head_dim
+    config.update(dict(shape.extra_config))
     return config
 
 
@@ -97,53 +100,46 @@ def write_synthetic_gptq(
     folder: Path, shape: Shape, group_size: int = 128, act_order: bool = False, seed: int = 0,
     device: Optional[str] = None, max_position_embeddings: int = 8192,
 ) -> Path:
-    """Write config.json, quantize_config.json and the sharded safetensors with their index."""
+    """Write config.json, quantize_config.json and one safetensors shard per layer (+ one for the rest) with an
+    index: every tensor the architecture's layout names (engine/device_map.config_shapes), GPTQ linears (routed
+    experts too; routers dense, as GPTQ repos keep them), unit norms (zeros where the architecture adds 1), small
+    embeddings and biases."""
+    from kobold_backend.engine.config import ModelConfig
+    from kobold_backend.engine.device_map import config_shapes
+
     folder.mkdir(parents=True, exist_ok=True)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator(device=dev).manual_seed(seed)
-    h, d = shape.hidden, shape.head_dim or shape.hidden // shape.heads
-    qd, kv = shape.heads * d, shape.kv_heads * d
-    gemma = shape.family == "gemma2"
-    # Gemma's norms multiply by (1 + weight): zeros are its unit norms
-    unit = torch.zeros(h, dtype=torch.float16) if gemma else torch.ones(h, dtype=torch.float16)
-    shards = shape.layers + 1
-    weight_map: Dict[str, str] = {}
-    total = [0]
-
-    def save(index: int, tensors: Dict[str, torch.Tensor]) -> None:
-        name = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
-        host = {k: v.cpu().contiguous() for k, v in tensors.items()}
-        save_file(host, str(folder / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in host})
-        total[0] += sum(t.numel() * t.element_size() for t in host.values())
-
-    def randn(*size: int) -> torch.Tensor:
-        return (torch.randn(size, generator=gen, device=dev) * 0.02).half()
-
-    top: Dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(shape.vocab, h), "model.norm.weight": unit}
-    if not gemma:
-        top["lm_head.weight"] = randn(shape.vocab, h)
-    save(0, top)
-    del top
-    attention = [("self_attn.q_proj", h, qd), ("self_attn.k_proj", h, kv), ("self_attn.v_proj", h, kv),
-                 ("self_attn.o_proj", qd, h)]
-    norms = ["input_layernorm", "post_attention_layernorm"]
-    if gemma:
-        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-    for layer in range(shape.layers):
-        p = f"model.layers.{layer}"
-        tensors: Dict[str, torch.Tensor] = {f"{p}.{n}.weight": unit.clone() for n in norms}
-        if shape.family == "mixtral":
-            router = torch.randn((shape.experts, h), generator=gen, device=dev) / h ** 0.5  # logits of O(1)
-            tensors[f"{p}.block_sparse_moe.gate.weight"] = router.half()
-        for name, k, n in attention + list(_mlp_linears(shape)):
-            for suffix, t in _gptq_tensors(k, n, group_size, act_order, gen, dev).items():
-                tensors[f"{p}.{name}.{suffix}"] = t
-        save(layer + 1, tensors)
-    index = {"metadata": {"total_size": total[0]}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    config = synthetic_config(shape, max_position_embeddings)
     quant = {"bits": 4, "group_size": group_size, "desc_act": act_order, "sym": True, "quant_method": "gptq",
              "checkpoint_format": "gptq"}
-    (folder / "config.json").write_text(json.dumps(_config(shape, d, max_position_embeddings), indent=1))
+    parsed = ModelConfig.from_dict(dict(config, quantization_config=quant))
+    unit = 1.0 - parsed.features.norm_offset
+    groups: Dict[str, Dict[str, Tuple[int, ...]]] = {}
+    for name, dims in config_shapes(parsed).items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else "rest"
+        groups.setdefault(layer, {})[name] = dims
+    shards = len(groups)
+    weight_map: Dict[str, str] = {}
+    total = 0
+    for number, shapes in enumerate(groups.values()):
+        tensors: Dict[str, torch.Tensor] = {}
+        for name, dims in shapes.items():
+            if name.endswith(".qweight"):
+                prefix = name[: -len(".qweight")]
+                k, n = dims[0] * 8, dims[1]
+                for suffix, t in _gptq_tensors(k, n, group_size, act_order, gen, dev).items():
+                    tensors[f"{prefix}.{suffix}"] = t
+            elif name.endswith(("norm.weight", "layernorm.weight")):
+                tensors[name] = torch.full(dims, unit, dtype=torch.float16)
+            elif name.endswith((".weight", ".bias")):
+                tensors[name] = (torch.randn(dims, generator=gen, device=dev) * 0.02).half()
+        file = f"model-{number + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(folder / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
     (folder / "quantize_config.json").write_text(json.dumps(quant, indent=1))
     return folder

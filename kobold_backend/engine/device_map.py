@@ -56,11 +56,11 @@ def config_shapes(config: ModelConfig) -> Shapes:
         layout = config.description.layout(config, i)
         for ckpt, size in layout.norms.values():
             shapes[f"{p}.{ckpt}.weight"] = (size,)
-        for name, lin in layout.linears.items():
+        for name, lin in {**layout.linears, **layout.mlp_linears}.items():
             k, n = lin.in_features, lin.out_features
             if name in layout.biased:
                 shapes[f"{p}.{lin.prefix}.bias"] = (n,)
-            if config.quant is None:
+            if config.quant is None or not lin.quantized:
                 shapes[f"{p}.{lin.prefix}.weight"] = (n, k)
                 continue
             gs = config.quant.group_size
@@ -138,8 +138,9 @@ class Sizes:
         return 2 * self.batch_size * c.num_kv_heads * self.max_seq_len * c.head_dim * elem
 
     def rope(self, elem: int) -> int:
-        """The cos and sin tables, once per device holding layers."""
-        return 2 * self.max_seq_len * self.config.head_dim * elem
+        """The cos and sin tables, once per device holding layers and per distinct RoPE (Gemma 3 has two)."""
+        tables = len(set(self.config.features.ropes)) if self.config.features is not None else 1
+        return 2 * self.max_seq_len * self.config.head_dim * elem * tables
 
     def embed(self, elem: int) -> int:
         return _numel(self._shape("model.embed_tokens.weight")) * elem

@@ -158,6 +158,9 @@ def _load_layer(ctx: LayerLoader, index: int) -> Layer:
     biases: Dict[str, torch.Tensor] = {}
     out_features: Dict[str, int] = {}
     for name, lin in layout.linears.items():
+        if name not in Layer.PROJECTIONS:
+            raise ValueError(f"{type(arch).__name__}.layout names {name!r}, which is no Layer projection "
+                             f"({', '.join(Layer.PROJECTIONS)}); list it in mlp_linears and load it in build_mlp")
         weights[name] = ctx.linear(lin.prefix, lin.in_features, lin.out_features)
         out_features.update(dict(lin.parts))
         if name in layout.biased and not isinstance(weights[name], GPTQWeight):

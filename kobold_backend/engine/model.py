@@ -167,6 +167,10 @@ class Model:
         self.windows = self.features.windows
         self.rope_factors = [rope.attention_factor for rope in self.features.ropes]
         self.activation = ACTIVATIONS[self.features.activation]
+        scale = self.features.embed_scale
+        # rounded to the embedding dtype once, as transformers' Gemma rounds its normalizer; a Python float then
+        # multiplies inside CUDA graphs without a host tensor
+        self.embed_scale = None if scale is None else float(torch.tensor(scale, dtype=embed_tokens.dtype))
 
     def new_cache(self, max_seq_len: Optional[int] = None, batch_size: int = 1) -> KVCache:
         n = max_seq_len or self.max_seq_len
@@ -239,9 +243,7 @@ class Model:
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens[ids.to(self.embed_tokens.device)]
-        if self.features.embed_scale is not None:
-            h = h * torch.tensor(self.features.embed_scale, dtype=h.dtype)
-        return h
+        return h if self.embed_scale is None else h * self.embed_scale
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = h.to(device=self.device, dtype=self.dtype)

@@ -93,7 +93,8 @@ def check_model_folder(path: Path) -> Optional[str]:
         return f"{path} has no tokenizer.json or tokenizer.model"
     if "model.embed_tokens.weight" not in names:
         return f"{path} has no model.embed_tokens.weight tensor"
-    q = "model.layers.0.self_attn.q_proj"
+    first = next(iter(config.description.layout(config, 0).linears.values()))  # q_proj, or Phi-3's qkv_proj
+    q = f"model.layers.0.{first.prefix}"
     if f"{q}.qweight" in names and config.quant is None:
         return f"{path} holds GPTQ tensors but no quantization config"
     if f"{q}.weight" not in names and f"{q}.qweight" not in names:
@@ -544,7 +545,7 @@ def make_model_backend(host: Optional[ModuleType] = None) -> type:
     result = host.GenerationResult if host is not None else StandaloneResult
     return type("model_backend", (KoboldBackendMixin, base), {
         "__module__": __name__,
-        "__doc__": f"KoboldAI United backend running Llama-family models on kobold_backend ({PLUGIN_FOLDER}).",
+        "__doc__": f"KoboldAI United backend running Hugging Face LLM checkpoints on kobold_backend ({PLUGIN_FOLDER}).",
         "_host": host,
         "_result_class": result,
     })

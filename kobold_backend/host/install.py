@@ -201,7 +201,7 @@ def build_wheel(dest: Path, requirements: Sequence[str]) -> Path:
         "Metadata-Version: 2.1",
         f"Name: {DIST_NAME}",
         f"Version: {version}",
-        "Summary: Llama-family inference engine for KoboldAI frontends (installed by install-plugin)",
+        "Summary: LLM inference engine for KoboldAI frontends (installed by install-plugin)",
         "Requires-Python: >=3.8",
         *(f"Requires-Dist: {r}" for r in requirements),
     ]

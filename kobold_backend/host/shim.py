@@ -10,7 +10,7 @@ from pathlib import Path
 
 SHIM_FILENAME = "class.py"
 
-SHIM_TEMPLATE = '''"""KoboldAI United backend plugin: kobold_backend {version}, a Llama-family inference engine.
+SHIM_TEMPLATE = '''"""KoboldAI United backend plugin: kobold_backend {version}, a native LLM inference engine.
 
 Written by `kobold-backend install-plugin`; `kobold-backend install-plugin <KoboldAI folder> --uninstall`
 removes it. The code lives in the kobold_backend package installed in this Python environment.

@@ -39,7 +39,10 @@ def generate() -> Any:
 @bp.get("/model")
 def get_model() -> Any:
     active = get_state().holder.active
-    return jsonify({"result": "ReadOnly" if active is None else f"kobold_backend/{active.name}"})
+    if active is None:
+        return jsonify({"result": "ReadOnly"})
+    # "result" keeps KoboldAI's "<backend>/<name>" form that clients parse; the architecture is an extra key
+    return jsonify({"result": f"kobold_backend/{active.name}", "architecture": active.architecture})
 
 
 @bp.put("/model")

@@ -28,6 +28,11 @@ class ActiveModel:
     def tokenizer(self) -> Any:
         return self.lm.tokenizer
 
+    @property
+    def architecture(self) -> Optional[str]:
+        """The config.json architecture class the model runs as (e.g. Qwen2ForCausalLM)."""
+        return getattr(getattr(self.lm, "config", None), "architecture", None)
+
 
 class EngineHolder:
     """Owns the LoadedModel and its Generator. Loads and unloads are called from the work queue's worker

@@ -53,7 +53,10 @@ def openapi_document() -> Dict[str, Any]:
                                        dict(GEN_ERR, **{"200": _json(_ref("GenerationOutput"))}),
                                        _ref("GenerationInput"), ["generate"])},
         f"{v1}/model": {
-            "get": _op("Loaded model name (ReadOnly when none)", dict(ERR, **{"200": result_str}), tags=["model"]),
+            "get": _op("Loaded model name (ReadOnly when none) and its architecture class",
+                       dict(ERR, **{"200": _json(_obj({"result": {"type": "string"},
+                                                       "architecture": {"type": ["string", "null"]}},
+                                                      ["result"]))}), tags=["model"]),
             "put": _op("Load a model folder from --models-dir (ReadOnly unloads)",
                        dict(GEN_ERR, **{"200": _json({"type": "object"}),
                                         "403": _json(_ref("BasicError"), "Outside the models folder"),

@@ -8,7 +8,7 @@ is one module in this package that subclasses `Architecture` and registers itsel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from kobold_backend.errors import ModelFormatError
@@ -65,12 +65,14 @@ class Linear:
     """One projection of a decoder layer: its checkpoint prefix (under `model.layers.N.`) and its [in, out] size.
 
     `parts` names the logical projections a fused checkpoint tensor holds, in output order, with their sizes
-    (e.g. Phi-3's `self_attn.qkv_proj` holds q_proj, k_proj, v_proj)."""
+    (e.g. Phi-3's `self_attn.qkv_proj` holds q_proj, k_proj, v_proj). `quantized=False`: GPTQ checkpoints keep it
+    dense (MoE routers); the loader reads either way, this only tells the planner and the bench what to expect."""
 
     prefix: str
     in_features: int
     out_features: int
     parts: Tuple[Tuple[str, int], ...] = ()
+    quantized: bool = True
 
 
 @dataclass(frozen=True)
@@ -79,11 +81,14 @@ class LayerLayout:
 
     `linears` keys are projection names (`q_proj`, ..., `qkv_proj`, `gate_up_proj`); `norms` keys are Layer fields
     (`input_norm`, `post_norm` = the norm before the MLP, `attn_out_norm`, `mlp_out_norm`, `q_norm`, `k_norm`) with
-    (checkpoint name without `.weight`, size)."""
+    (checkpoint name without `.weight`, size). `linears` keys must be `Layer` projection fields."""
 
     linears: Dict[str, Linear]
     norms: Dict[str, Tuple[str, int]]
     biased: Tuple[str, ...] = ()
+    #: linears the architecture's `build_mlp` loads itself (routed experts, router): listed so the split planner
+    #: and the bench's synthetic checkpoints know them; the generic loader does not read them
+    mlp_linears: Dict[str, Linear] = field(default_factory=dict)
 
 
 class Architecture:

@@ -19,6 +19,7 @@ from kobold_backend.engine.architectures.base import (
     Architecture,
     Features,
     LayerLayout,
+    Linear,
     register,
     uniform_windows,
 )
@@ -68,11 +69,22 @@ class RoutedArchitecture(Architecture):
                                    "experts.")
 
     def layout(self, config: ModelConfig, index: int) -> LayerLayout:
+        """The dense MLP leaves a routed layer; its router and experts are listed as `mlp_linears` (named
+        `router` and `E.gate` / `E.up` / `E.down`), which `build_mlp` loads."""
         layout = super().layout(config, index)
         if not self.routed(config.raw, index):
             return layout
+        spec = self.moe(config.raw, config, config.model_type)
+        h, inter = config.hidden_size, spec.intermediate
+        mlp = {"router": Linear(f"{spec.block}.gate", h, spec.num_experts, quantized=False)}
+        for e in range(spec.num_experts):
+            prefix = f"{spec.block}.experts.{e}"
+            gate, up, down = spec.names
+            mlp[f"{e}.gate"] = Linear(f"{prefix}.{gate}", h, inter)
+            mlp[f"{e}.up"] = Linear(f"{prefix}.{up}", h, inter)
+            mlp[f"{e}.down"] = Linear(f"{prefix}.{down}", inter, h)
         linears = {k: v for k, v in layout.linears.items() if k not in _DENSE_MLP}
-        return replace(layout, linears=linears)
+        return replace(layout, linears=linears, mlp_linears=mlp)
 
     def build_mlp(self, loader: Any, config: ModelConfig, index: int) -> Optional[RoutedExperts]:
         if not self.routed(config.raw, index):
@@ -80,20 +92,20 @@ class RoutedArchitecture(Architecture):
         from kobold_backend.engine.model import ACTIVATIONS
 
         spec = self.moe(config.raw, config, config.model_type)
-        h, inter = config.hidden_size, spec.intermediate
-        gate_name, up_name, down_name = spec.names
-        router = loader.linear(f"{spec.block}.gate", h, spec.num_experts)
-        gates, ups, downs = [], [], []
-        for e in range(spec.num_experts):
-            prefix = f"{spec.block}.experts.{e}"
-            gates.append(loader.linear(f"{prefix}.{gate_name}", h, inter))
-            ups.append(loader.linear(f"{prefix}.{up_name}", h, inter))
-            downs.append(loader.linear(f"{prefix}.{down_name}", inter, h))
+        mlp = self.layout(config, index).mlp_linears
+
+        def load(name: str) -> Any:
+            lin = mlp[name]
+            return loader.linear(lin.prefix, lin.in_features, lin.out_features)
+
+        experts = range(spec.num_experts)
         try:
-            gate_up, up, down = stack_expert_mlps(gates, ups, downs)
+            gate_up, up, down = stack_expert_mlps([load(f"{e}.gate") for e in experts],
+                                                  [load(f"{e}.up") for e in experts],
+                                                  [load(f"{e}.down") for e in experts])
         except ValueError as exc:
-            raise ModelFormatError(f"layer {index} of {loader.prefix}: {exc}.") from None
-        return RoutedExperts(router, gate_up, up, down, spec.top_k, spec.renormalize,
+            raise ModelFormatError(f"{loader.prefix}: {exc}.") from None
+        return RoutedExperts(load("router"), gate_up, up, down, spec.top_k, spec.renormalize,
                              ACTIVATIONS[config.features.activation])
 
 

@@ -15,11 +15,14 @@ from kobold_backend.engine.architectures.base import (
     register,
 )
 from kobold_backend.engine.config import ModelConfig
+from kobold_backend.errors import ModelFormatError
 
 
 def qwen_windows(raw: Dict[str, Any], config: ModelConfig, where: str) -> Tuple[Optional[int], ...]:
     window = positive_window(raw.get("sliding_window"), where) if raw.get("use_sliding_window") else None
-    first = int(raw.get("max_window_layers", 28))
+    first = raw.get("max_window_layers", 28)
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise ModelFormatError(f"{where}: max_window_layers must be a non-negative integer, found {first!r}.")
     default = tuple("sliding_attention" if window is not None and i >= first else "full_attention"
                     for i in range(config.num_layers))
     return layer_type_windows(raw, config, window, default, where)

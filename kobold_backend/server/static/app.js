@@ -55,7 +55,10 @@ async function refreshStatus() {
   }
   $("key-box").hidden = !st.protected;
   if (st.loading) $("status").textContent = "loading " + st.loading + "…";
-  else if (st.model) $("status").textContent = "model: " + st.model + " · context " + st.max_context + " tokens";
+  else if (st.model) {
+    const arch = st.architecture ? " (" + st.architecture + ")" : "";
+    $("status").textContent = "model: " + st.model + arch + " · context " + st.max_context + " tokens";
+  }
   else $("status").textContent = "no model loaded";
   $("demo-badge").hidden = !st.is_demo;
   if (st.demo_label) $("demo-badge").textContent = st.demo_label;
