@@ -314,16 +314,15 @@ def test_moe_config_errors(archs, tmp_path: Path) -> None:
             ModelConfig.from_dir(dst)
 
 
-def test_split_plan_counts_the_experts(archs) -> None:
-    """The device-map planner sizes a routed layer from its checkpoint tensors, experts included."""
+@pytest.mark.parametrize("name", ALL)
+def test_layout_names_every_checkpoint_tensor(name: str, archs) -> None:
+    """The description's layout (what the split planner and the bench's writer use without a checkpoint) lists
+    exactly the tensors transformers saved: routers, every expert, Gemma's four norms, q/k norms."""
     from kobold_backend.engine.config import ModelConfig
-    from kobold_backend.engine.device_map import Sizes, checkpoint_shapes
+    from kobold_backend.engine.device_map import checkpoint_shapes, config_shapes
 
-    built = archs.get("mixtral")
-    config = ModelConfig.from_dir(built.path)
-    sizes = Sizes(config, checkpoint_shapes(built.path), 64)
-    experts = 4 * 3 * 64 * 96 * 4  # 4 experts x (w1, w2, w3) x 64x96, float32 on the CPU
-    assert sizes.layer(0, 4) > experts
+    built = archs.get(name)
+    assert config_shapes(ModelConfig.from_dir(built.path)) == checkpoint_shapes(built.path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
