@@ -314,15 +314,66 @@ def test_moe_config_errors(archs, tmp_path: Path) -> None:
             ModelConfig.from_dir(dst)
 
 
-@pytest.mark.parametrize("name", ALL)
-def test_layout_names_every_checkpoint_tensor(name: str, archs) -> None:
-    """The description's layout (what the split planner and the bench's writer use without a checkpoint) lists
-    exactly the tensors transformers saved: routers, every expert, Gemma's four norms, q/k norms."""
-    from kobold_backend.engine.config import ModelConfig
-    from kobold_backend.engine.device_map import checkpoint_shapes, config_shapes
+# ---------------------------------------------------------------------------------------------------------------
+# Every host runs these families with no code of its own: United's folder check and load dialog, the split
+# planner (which must count every expert), the server's model report, the generator.
 
-    built = archs.get(name)
-    assert config_shapes(ModelConfig.from_dir(built.path)) == checkpoint_shapes(built.path)
+
+@pytest.mark.parametrize("name", ALL)
+def test_united_accepts_the_folder_and_the_planner_counts_it(name: str, archs, ours) -> None:
+    """The layout names exactly the tensors transformers saved (routers, every expert, Gemma's four norms, q/k
+    norms), so a split plan made without reading weights counts what the loader holds, byte for byte."""
+    from kobold_backend.engine.config import ModelConfig
+    from kobold_backend.engine.device_map import Sizes, checkpoint_shapes, config_shapes, plan_device_map
+    from kobold_backend.host.backend import check_model_folder
+    from kobold_backend.host.parameters import requested_parameters
+
+    built, lm = archs.get(name), ours(name)
+    assert check_model_folder(built.path) is None
+    dialog = {p["id"]: p for p in requested_parameters(built.path, {}, gpus=[])}
+    assert dialog["valid_layers"]["label"].endswith(f"/{lm.config.num_layers}") and "CPU_Layers" in dialog
+    shapes = checkpoint_shapes(built.path)
+    assert config_shapes(ModelConfig.from_dir(built.path)) == shapes
+    dm = plan_device_map(built.path, None, MAX_SEQ, layer_counts={"cpu": lm.config.num_layers})
+    (usage,) = dm.usage
+    assert usage.weight_bytes == lm.model.nbytes
+    assert usage.cache_bytes == lm.model.new_cache().nbytes
+    sizes = Sizes(lm.config, shapes, MAX_SEQ)
+    for i, layer in enumerate(lm.model.layers):
+        held = list(layer.tensors())
+        assert sizes.layer(i, 4) == sum(w.nbytes if isinstance(w, GPTQWeight) else w.numel() * w.element_size()
+                                        for w in held)
+
+
+@pytest.mark.parametrize("name, architecture", [("mixtral", "MixtralForCausalLM"),
+                                                ("gemma3", "Gemma3ForCausalLM")])
+def test_server_names_the_architecture(name: str, architecture: str, archs) -> None:
+    from tests.server_helpers import make_app
+
+    app = make_app(archs.get(name).path)
+    try:
+        c = app.test_client()
+        assert c.get("/api/v1/model").get_json() == {"result": f"kobold_backend/{name}", "architecture": architecture}
+    finally:
+        app.extensions["kobold_backend"].close()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_gptq", "gemma2"])
+def test_generator_greedy_matches_transformers(name: str, archs, ours, hf) -> None:
+    """The engine's Generator (lane, chunked prefill, sampler at temperature 0) gives transformers' greedy tokens."""
+    from kobold_backend.engine.generator import GenerationRequest, Generator
+    from kobold_backend.engine.sampling import SamplerSettings
+
+    built, lm, ref_model = archs.get(name), ours(name), hf(name)
+    prompt = prompt_ids(built, 20, seed=15)
+    out = Generator(lm.model, lm.tokenizer).generate(
+        GenerationRequest(prompt[0].tolist(), 24, SamplerSettings(temperature=0), ban_eos=True))
+    ref_logits, past = hf_step(ref_model, prompt, None)
+    ref_t: List[int] = []
+    for _ in range(24):
+        ref_t.append(int(ref_logits[0, -1].argmax()))
+        ref_logits, past = hf_step(ref_model, torch.tensor([[ref_t[-1]]]), past)
+    assert out.token_ids == ref_t
 
 
 # ---------------------------------------------------------------------------------------------------------------
