@@ -208,6 +208,26 @@ def test_gemma_features_are_read(ours) -> None:
     assert all(layer.q_norm is not None for layer in g3.layers)
 
 
+@pytest.mark.parametrize("keep, window", [(0, 8), (5, None)], ids=["local", "global"])
+def test_gemma3_context_shift_uses_each_layers_rope(keep: int, window, archs) -> None:
+    """Context shifting re-rotates cached keys with the layer's own table (local base 1e4; global base 1e6 with
+    linear scaling 8): on a one-layer model the shifted cache gives the logits of a fresh prefill of the kept
+    tokens."""
+    lm = load_model(archs.get("gemma3").path, device="cpu", dtype="float32", max_seq_len=MAX_SEQ)
+    model = lm.model
+    assert model.windows[keep] == window
+    model.layers, model.cos, model.sin = [model.layers[keep]], [model.cos[keep]], [model.sin[keep]]
+    model.windows, model.rope_factors = (window,), [model.rope_factors[keep]]
+    ids = torch.randint(3, 900, (1, 60), generator=torch.Generator().manual_seed(0))
+    memory, dropped, kept, new = ids[:, :4], ids[:, 4:20], ids[:, 20:50], ids[:, 50:]
+    cache = model.new_cache()
+    model.forward(torch.cat([memory, dropped, kept], 1), cache)
+    model.shift_cache(cache, 4, 16)
+    shifted = model.forward(new, cache, last_only=False)
+    fresh = model.forward(torch.cat([memory, kept, new], 1), model.new_cache(), last_only=False)[:, -10:]
+    assert row_rel_err(shifted, fresh) < REUSE_RTOL
+
+
 def test_gemma3_hub_config_spelling_is_read(archs, ours) -> None:
     """gemma3_gptq's config.json uses the Hub's keys (rope_local_base_freq, sliding_window_pattern); same features."""
     assert "rope_local_base_freq" in archs.get("gemma3_gptq").config
