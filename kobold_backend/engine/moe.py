@@ -5,7 +5,7 @@ a view and a set of experts can be gathered with device-side indices. Two execut
 
 - grouped (prefill, and every CPU step): the chosen (token, expert) pairs are sorted by expert and each expert runs
   once on its rows; only experts that received a token are read;
-- gathered (few rows on CUDA, i.e. decode): the chosen experts' weights are copied by device index into a buffer and
+- gathered (few rows on CUDA, i.e. decode, and any step being graph-captured): the chosen experts' weights are copied by device index into a buffer and
   each (token, slot) pair runs against its copy. The choice never reaches the host, so a decode step stays
   capturable in a CUDA graph, and only the routed experts' weights are read.
 
@@ -150,7 +150,8 @@ class RoutedExperts:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         weights, experts = self.route(rows)
-        if rows.is_cuda and rows.shape[0] * self.top_k <= GATHER_PAIRS:
+        # a step being captured into a CUDA graph cannot read the choice on the host, whatever its size
+        if rows.is_cuda and (rows.shape[0] * self.top_k <= GATHER_PAIRS or torch.cuda.is_current_stream_capturing()):
             out = self._gathered(rows, weights, experts)
         else:
             out = self._grouped(rows, weights, experts)
