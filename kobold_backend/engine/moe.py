@@ -5,9 +5,9 @@ a view and a set of experts can be gathered with device-side indices. Two execut
 
 - grouped (prefill, and every CPU step): the chosen (token, expert) pairs are sorted by expert and each expert runs
   once on its rows; only experts that received a token are read;
-- gathered (few rows on CUDA, i.e. decode, and any step being graph-captured): the chosen experts' weights are copied by device index into a buffer and
-  each (token, slot) pair runs against its copy. The choice never reaches the host, so a decode step stays
-  capturable in a CUDA graph, and only the routed experts' weights are read.
+- gathered (few rows on CUDA, i.e. decode, and any step being graph-captured): the chosen experts' weights are
+  copied by device index into a buffer and each (token, slot) pair runs against its copy. The choice never reaches
+  the host, so a decode step stays capturable in a CUDA graph, and only the routed experts' weights are read.
 
 Routing follows transformers: softmax over the router logits in float32, top-k, optional renormalisation of the k
 weights to sum 1 (always for Mixtral, `norm_topk_prob` for Qwen3-MoE), cast to the compute dtype; an expert's output
