@@ -8,6 +8,7 @@ every decode runs past it. The routed-experts tests check that a token reads onl
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
@@ -315,7 +316,6 @@ def test_expert_stack_refuses_mixed_experts() -> None:
 
 
 def test_moe_config_errors(archs, tmp_path: Path) -> None:
-    import json
     import shutil
 
     from kobold_backend.engine.config import ModelConfig
@@ -454,6 +454,29 @@ def test_gpu_fp32_moe_matches_transformers_at_every_step(name: str, graphs: bool
         pytest.skip("no CUDA GPU")
     errs = _gpu_errors(archs.get(name), hf(name), "float32", graphs)
     assert max(errs) < GPU_FP32_RTOL, f"{name}: max relative logit error {max(errs):.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mixtral_gptq", "qwen3_moe", "gemma2_gptq", "gemma3"])
+def test_gpu_layer_split_matches_transformers(name: str, archs, hf) -> None:
+    """The first half of the layers on the GPU (fp16), the rest on the CPU (fp32), prompt then 8 teacher-forced
+    steps: routed experts and Gemma's tables cross devices with no per-architecture code. Bound as above."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    built = archs.get(name)
+    n = json.loads((built.path / "config.json").read_text())["num_hidden_layers"]
+    devices = ["cuda"] * (n // 2) + ["cpu"] * (n - n // 2)
+    lm = load_model(built.path, device="cuda", dtype="float16", max_seq_len=MAX_SEQ, layer_devices=devices)
+    prompt = prompt_ids(built, 30, seed=16)
+    cache = lm.model.new_cache()
+    errs = [row_rel_err(lm.model.forward(prompt.cuda(), cache, last_only=False).cpu(), hf(name)(prompt).logits)]
+    ref, past = hf_step(hf(name), prompt, None)
+    for _ in range(8):
+        token = ref[:, -1:].argmax(-1)
+        got = lm.model.forward(token.cuda(), cache)[0, -1]
+        ref, past = hf_step(hf(name), token, past)
+        errs.append(row_rel_err(got.cpu(), ref[0, -1]))
+    assert _within_fp16_bound(name, errs), f"{name}: relative logit errors {sorted(errs)[-3:]}"
 
 
 @pytest.mark.gpu
