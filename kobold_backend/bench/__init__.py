@@ -73,10 +73,21 @@ def _ratios(ours: Dict[str, Any], other: Dict[str, Any]) -> Dict[str, float]:
     return out
 
 
+def _compared(bench: Any, path: str) -> Dict[str, Any]:
+    """Another engine's figures, or why it could not run this checkpoint (not every engine runs every
+    architecture); our own figures are kept either way."""
+    try:
+        return bench(path)
+    except Exception as exc:  # the other engine's failure is a result of the comparison, not of this bench
+        log.warning("%s failed: %s: %s", bench.__name__, type(exc).__name__, exc)
+        torch.cuda.empty_cache()
+        return {"skipped": f"failed on this checkpoint ({type(exc).__name__}: {exc})"}
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from kobold_backend.bench.engine_bench import bench_engine
 
-    quick = args.quick or args.preset == "tiny"
+    quick = args.quick or args.preset.startswith("tiny")
     with tempfile.TemporaryDirectory(prefix="kobold-bench-") as tmp:
         path = args.model
         if path is None:
@@ -95,9 +106,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
             if torch.cuda.is_available():
                 log.info("measuring exllamav2")
-                result["exllamav2"] = bench_exllamav2(path)
+                result["exllamav2"] = _compared(bench_exllamav2, path)
                 log.info("measuring transformers fp16")
-                result["transformers"] = bench_transformers(path)
+                result["transformers"] = _compared(bench_transformers, path)
             else:
                 result["exllamav2"] = result["transformers"] = {"skipped": "no CUDA GPU"}
             result["ratios"] = {name: _ratios(result["kobold_backend"], result[name])

@@ -1,7 +1,9 @@
 """Synthetic GPTQ 4-bit checkpoints shaped like real models (random weights) for benchmarks.
 
 Weight values do not change speed; scales are kept small so activations stay finite and greedy
-decoding is meaningful enough to compare graph and eager outputs.
+decoding is meaningful enough to compare graph and eager outputs. Tensors are drawn on the GPU when there is
+one and written one safetensors shard per layer (plus one for the embeddings and head) with an index, so no more
+than one layer is ever held in host memory: a Mixtral-8x7B-shaped checkpoint (~25 GB) is written at disk speed.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from safetensors.torch import save_file
@@ -32,6 +34,10 @@ class Shape:
     extra_config: Tuple[Tuple[str, Any], ...] = ()  # further config.json keys (experts, windows, ...)
 
 
+_GEMMA2 = (("hidden_activation", "gelu_pytorch_tanh"), ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
+           ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0), ("rms_norm_eps", 1e-6))
+_MIXTRAL = (("num_local_experts", 8), ("num_experts_per_tok", 2), ("sliding_window", None))
+
 PRESETS: Dict[str, Shape] = {
     "llama2-7b": Shape(4096, 11008, 32, 32, 32, 32000),
     "llama2-13b": Shape(5120, 13824, 40, 40, 40, 32000),
@@ -40,7 +46,20 @@ PRESETS: Dict[str, Shape] = {
     "qwen2.5-7b": Shape(3584, 18944, 28, 28, 4, 152064, rope_theta=1000000.0, model_type="qwen2",
                         extra_config=(("use_sliding_window", False), ("sliding_window", 131072),
                                       ("max_window_layers", 28))),
+    # Gemma-2-9B: head_dim 256, soft-caps, local/global layers with a 4096 window, 256k vocabulary, tied head
+    "gemma2-9b": Shape(3584, 14336, 42, 16, 8, 256000, model_type="gemma2", head_dim=256, tie_word_embeddings=True,
+                       extra_config=_GEMMA2),
+    # Mixtral-8x7B: 8 experts of 14336, top-2, per-expert GPTQ (~25 GB); "-8l": the same with 8 of its 32 layers
+    # (~6 GB to write and load when device time is short; decode tok/s is then ~4x the full model's)
+    "mixtral-8x7b": Shape(4096, 14336, 32, 32, 8, 32000, rope_theta=1e6, model_type="mixtral",
+                          extra_config=_MIXTRAL),
+    "mixtral-8x7b-8l": Shape(4096, 14336, 8, 32, 8, 32000, rope_theta=1e6, model_type="mixtral",
+                             extra_config=_MIXTRAL),
     "tiny": Shape(128, 384, 2, 4, 2, 512),
+    "tiny-gemma2": Shape(128, 384, 2, 4, 2, 512, model_type="gemma2", head_dim=64, tie_word_embeddings=True,
+                         extra_config=_GEMMA2),
+    "tiny-mixtral": Shape(128, 384, 2, 4, 2, 512, model_type="mixtral",
+                          extra_config=(("num_local_experts", 4), ("num_experts_per_tok", 2))),
 }
 
 
@@ -81,10 +100,10 @@ def write_synthetic_gptq(
     folder: Path, shape: Shape, group_size: int = 128, act_order: bool = False, seed: int = 0,
     device: Optional[str] = None, max_position_embeddings: int = 8192,
 ) -> Path:
-    """Write config.json, quantize_config.json and safetensors shards with their index: every tensor the
-    architecture's layout names (engine/device_map.config_shapes) as GPTQ linears, norms of ones, small
-    embeddings and biases. One shard per layer (plus one for the embeddings and head), drawn on the GPU when
-    there is one, so no more than one layer is ever held in host memory."""
+    """Write config.json, quantize_config.json and one safetensors shard per layer (+ one for the rest) with an
+    index: every tensor the architecture's layout names (engine/device_map.config_shapes), GPTQ linears (routed
+    experts too; routers dense, as GPTQ repos keep them), unit norms (zeros where the architecture adds 1), small
+    embeddings and biases."""
     from kobold_backend.engine.config import ModelConfig
     from kobold_backend.engine.device_map import config_shapes
 
@@ -94,32 +113,33 @@ def write_synthetic_gptq(
     config = synthetic_config(shape, max_position_embeddings)
     quant = {"bits": 4, "group_size": group_size, "desc_act": act_order, "sym": True, "quant_method": "gptq",
              "checkpoint_format": "gptq"}
-    shapes = config_shapes(ModelConfig.from_dict(dict(config, quantization_config=quant)))
-    groups: List[List[str]] = [[] for _ in range(shape.layers + 1)]
-    for name in shapes:
-        layer = name.split(".")[2] if name.startswith("model.layers.") else None
-        groups[0 if layer is None else int(layer) + 1].append(name)
+    parsed = ModelConfig.from_dict(dict(config, quantization_config=quant))
+    unit = 1.0 - parsed.features.norm_offset
+    groups: Dict[str, Dict[str, Tuple[int, ...]]] = {}
+    for name, dims in config_shapes(parsed).items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else "rest"
+        groups.setdefault(layer, {})[name] = dims
+    shards = len(groups)
     weight_map: Dict[str, str] = {}
     total = 0
-    for index, names in enumerate(groups):
+    for number, shapes in enumerate(groups.values()):
         tensors: Dict[str, torch.Tensor] = {}
-        for name in names:
-            dims = shapes[name]
+        for name, dims in shapes.items():
             if name.endswith(".qweight"):
                 prefix = name[: -len(".qweight")]
-                for suffix, t in _gptq_tensors(dims[0] * 8, dims[1], group_size, act_order, gen, dev).items():
+                k, n = dims[0] * 8, dims[1]
+                for suffix, t in _gptq_tensors(k, n, group_size, act_order, gen, dev).items():
                     tensors[f"{prefix}.{suffix}"] = t
             elif name.endswith(("norm.weight", "layernorm.weight")):
-                tensors[name] = torch.ones(dims, dtype=torch.float16)
+                tensors[name] = torch.full(dims, unit, dtype=torch.float16)
             elif name.endswith((".weight", ".bias")):
                 tensors[name] = (torch.randn(dims, generator=gen, device=dev) * 0.02).half()
-        file = f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
-        host = {k: v.cpu().contiguous() for k, v in tensors.items()}
-        save_file(host, str(folder / file), metadata={"format": "pt"})
-        weight_map.update({k: file for k in host})
-        total += sum(t.numel() * t.element_size() for t in host.values())
-    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=1))
+        file = f"model-{number + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(folder / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     (folder / "quantize_config.json").write_text(json.dumps(quant, indent=1))
     return folder

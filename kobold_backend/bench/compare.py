@@ -77,7 +77,8 @@ def bench_exllamav2(path: str, prompt_lengths=(512, 2048), contexts=(128, 4000),
 def bench_transformers(
     path: str, prompt_length: int = 2048, context: int = 128, decode_steps: int = 64
 ) -> Dict[str, Any]:
-    """transformers fp16 on a dense model of the same shape, random weights built on the GPU (no disk)."""
+    """transformers fp16 on a dense model of the same architecture and shape, random weights built on the GPU
+    (no disk)."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except Exception as exc:

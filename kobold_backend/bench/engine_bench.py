@@ -93,7 +93,10 @@ def bench_engine(path: str, device: str = "auto", prompt_lengths=(512, 2048), co
         sync(dev)
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(dev)
     bandwidth = copy_bandwidth(dev)
-    read_per_token = model.nbytes - lm.model.embed_tokens.numel() * lm.model.embed_tokens.element_size()
+    # a decode step reads every weight but the embedding table, and of routed experts only the chosen ones
+    unread = sum(layer.mlp.unread_bytes_per_token() for layer in model.layers
+                 if getattr(layer.mlp, "unread_bytes_per_token", None) is not None)
+    read_per_token = model.nbytes - unread - lm.model.embed_tokens.numel() * lm.model.embed_tokens.element_size()
     result["copy_bandwidth_bytes_per_s"] = bandwidth
     result["roofline_tokens_per_s"] = bandwidth / read_per_token
     result["decode_fraction_of_roofline"] = {k: v / result["roofline_tokens_per_s"] for k, v in decode.items()}

@@ -226,12 +226,20 @@ def _special_ids(raw: Dict[str, Any], folder: Optional[Path]) -> Tuple[Optional[
 
 def rope_settings(raw: Dict[str, Any]) -> Any:
     """The RoPE scaling object: `rope_scaling` (transformers 4 and the Hub's configs) or `rope_parameters`
-    (what transformers 5 writes; it holds rope_theta too)."""
-    return raw.get("rope_scaling") or raw.get("rope_parameters")
+    (what transformers 5 writes; it holds rope_theta too). Where `rope_parameters` is keyed by layer type
+    (Gemma 3), the global layers' entry is the model's; the description reads the others."""
+    return raw.get("rope_scaling") or _global_rope_parameters(raw)
+
+
+def _global_rope_parameters(raw: Dict[str, Any]) -> Any:
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        return params["full_attention"]
+    return params
 
 
 def rope_theta(raw: Dict[str, Any], default: float = 10000.0) -> float:
-    params = raw.get("rope_parameters")
+    params = _global_rope_parameters(raw)
     if raw.get("rope_theta") is None and isinstance(params, dict) and params.get("rope_theta") is not None:
         return float(params["rope_theta"])
     return float(raw.get("rope_theta") or default)

@@ -61,7 +61,7 @@ def config_shapes(config: ModelConfig) -> Shapes:
             k, n = lin.in_features, lin.out_features
             if name in layout.biased:
                 shapes[f"{p}.{lin.prefix}.bias"] = (n,)
-            if config.quant is None:
+            if config.quant is None or not lin.quantized:
                 shapes[f"{p}.{lin.prefix}.weight"] = (n, k)
                 continue
             gs = config.quant.group_size

@@ -65,12 +65,14 @@ class Linear:
     """One projection of a decoder layer: its checkpoint prefix (under `model.layers.N.`) and its [in, out] size.
 
     `parts` names the logical projections a fused checkpoint tensor holds, in output order, with their sizes
-    (e.g. Phi-3's `self_attn.qkv_proj` holds q_proj, k_proj, v_proj)."""
+    (e.g. Phi-3's `self_attn.qkv_proj` holds q_proj, k_proj, v_proj). `quantized=False`: GPTQ checkpoints keep it
+    dense (MoE routers); the loader reads either way, this only tells the planner and the bench what to expect."""
 
     prefix: str
     in_features: int
     out_features: int
     parts: Tuple[Tuple[str, int], ...] = ()
+    quantized: bool = True
 
 
 @dataclass(frozen=True)

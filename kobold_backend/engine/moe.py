@@ -1,0 +1,194 @@
+"""Routed experts (Mixtral, Qwen3-MoE): a softmax router picks the top-k experts of each token and only those run.
+
+Every projection of the experts is stacked on a leading expert axis (`ExpertStack`), dense or GPTQ, so an expert is
+a view and a set of experts can be gathered with device-side indices. Two execution paths, same math:
+
+- grouped (prefill, and every CPU step): the chosen (token, expert) pairs are sorted by expert and each expert runs
+  once on its rows; only experts that received a token are read;
+- gathered (few rows on CUDA, i.e. decode, and any step being graph-captured): the chosen experts' weights are
+  copied by device index into a buffer and each (token, slot) pair runs against its copy. The choice never reaches
+  the host, so a decode step stays capturable in a CUDA graph, and only the routed experts' weights are read.
+
+Routing follows transformers: softmax over the router logits in float32, top-k, optional renormalisation of the k
+weights to sum 1 (always for Mixtral, `norm_topk_prob` for Qwen3-MoE), cast to the compute dtype; an expert's output
+is down(act(gate(x)) * up(x)) scaled by its routing weight, summed over the k experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from kobold_backend import ops
+from kobold_backend.engine.fuse import concat_outputs
+from kobold_backend.engine.gptq import GPTQWeight
+
+Weight = Union[torch.Tensor, GPTQWeight]
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# At most this many (token, expert) pairs take the gathered path on CUDA; more rows are prefill-sized and grouped.
+GATHER_PAIRS = 16
+
+
+def _project(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    if isinstance(w, GPTQWeight):
+        return ops.gptq_matmul(x, w)
+    return ops.linear(x, w)
+
+
+@dataclass
+class ExpertStack:
+    """One projection of E experts: dense `weight` [E, N, K], or GPTQ `qweight` [E, K/8, N], `scales` and `zeros`
+    [E, G, N], `perm` [E, K] or None (the layout of engine/gptq.py with an expert axis in front)."""
+
+    in_features: int
+    out_features: int
+    weight: Optional[torch.Tensor] = None
+    qweight: Optional[torch.Tensor] = None
+    scales: Optional[torch.Tensor] = None
+    zeros: Optional[torch.Tensor] = None
+    perm: Optional[torch.Tensor] = None
+    group_size: int = 0
+
+    @classmethod
+    def stack(cls, weights: Sequence[Weight]) -> ExpertStack:
+        """Stack per-expert weights of one shape and kind (each expert is freed as soon as it is copied)."""
+        first = weights[0]
+        if isinstance(first, torch.Tensor):
+            if not all(isinstance(w, torch.Tensor) and w.shape == first.shape for w in weights):
+                raise ValueError("experts of one projection must all be dense and of one shape, or all GPTQ")
+            return cls(int(first.shape[1]), int(first.shape[0]), weight=torch.stack(list(weights)))  # type: ignore[arg-type]
+        gw = [w for w in weights if isinstance(w, GPTQWeight)]
+        if len(gw) != len(weights) or any(w.bias is not None for w in gw) or any(
+                (w.qweight.shape, w.scales.shape, w.group_size) != (first.qweight.shape, first.scales.shape,
+                                                                    first.group_size) for w in gw):
+            raise ValueError("GPTQ experts of one projection must share shapes and group size and have no bias")
+        perm = None
+        if any(w.perm is not None for w in gw):
+            identity = torch.arange(first.in_features, device=first.qweight.device)
+            perm = torch.stack([identity if w.perm is None else w.perm for w in gw])
+        return cls(first.in_features, first.out_features, qweight=torch.stack([w.qweight for w in gw]),
+                   scales=torch.stack([w.scales for w in gw]), zeros=torch.stack([w.zeros for w in gw]),
+                   perm=perm, group_size=first.group_size)
+
+    @property
+    def num_experts(self) -> int:
+        return int((self.weight if self.weight is not None else self.qweight).shape[0])  # type: ignore[union-attr]
+
+    def expert(self, e: int) -> Weight:
+        """Expert e's weight (views, no copy)."""
+        if self.weight is not None:
+            return self.weight[e]
+        assert self.qweight is not None and self.scales is not None and self.zeros is not None
+        return GPTQWeight(self.qweight[e], self.scales[e], self.zeros[e], None if self.perm is None else self.perm[e],
+                          self.group_size, self.in_features, self.out_features)
+
+    def gather(self, index: torch.Tensor) -> ExpertStack:
+        """The experts named by the device tensor `index` (repeats allowed), copied into a new stack."""
+        pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
+        return ExpertStack(self.in_features, self.out_features, pick(self.weight), pick(self.qweight),
+                           pick(self.scales), pick(self.zeros), pick(self.perm), self.group_size)
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        for t in (self.weight, self.qweight, self.scales, self.zeros, self.perm):
+            if t is not None:
+                yield t
+
+
+def stack_expert_mlps(gates: Sequence[Weight], ups: Sequence[Weight],
+                      downs: Sequence[Weight]) -> Tuple[ExpertStack, Optional[ExpertStack], ExpertStack]:
+    """(gate_up, None, down) with gate and up fused per expert into one [gate; up] projection when every expert
+    fuses (dense, or GPTQ with one act-order permutation for both), else (gate, up, down)."""
+    fused: List[Optional[Weight]] = [concat_outputs([g, u]) for g, u in zip(gates, ups)]
+    if all(f is not None for f in fused):
+        return ExpertStack.stack(fused), None, ExpertStack.stack(downs)  # type: ignore[arg-type]
+    return ExpertStack.stack(gates), ExpertStack.stack(ups), ExpertStack.stack(downs)
+
+
+@dataclass
+class RoutedExperts:
+    """A sparse MoE block. `gate_up` holds [gate; up] fused when `up` is None, else only the gate projection."""
+
+    router: Weight  # [E, H]: router logits = x @ router^T
+    gate_up: ExpertStack
+    up: Optional[ExpertStack]
+    down: ExpertStack
+    top_k: int
+    renormalize: bool
+    act: Activation  # act(gate, up) -> act(gate) * up
+
+    @property
+    def num_experts(self) -> int:
+        return self.down.num_experts
+
+    def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(weights [M, k] in x's dtype, expert ids [M, k]) for rows x [M, H]."""
+        probs = torch.softmax(_project(x, self.router).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def tensors(self) -> Iterator[Any]:
+        """Every weight held (for Model.nbytes): the router (a tensor or a GPTQWeight) and the stacks' tensors."""
+        yield self.router
+        for stack in (self.gate_up, self.up, self.down):
+            if stack is not None:
+                yield from stack.tensors()
+
+    def unread_bytes_per_token(self) -> int:
+        """Bytes of the experts one token does not read (all but top_k of them): for decode rooflines."""
+        stacks = sum(sum(t.numel() * t.element_size() for t in s.tensors())
+                     for s in (self.gate_up, self.up, self.down) if s is not None)
+        return stacks * (self.num_experts - self.top_k) // self.num_experts
+
+    def __call__(self, x: torch.Tensor, index: int = 0, passthrough: Optional[Any] = None) -> torch.Tensor:
+        """The block's output for normed hidden states x [..., H]. Low-rank passthrough deltas address named
+        dense projections and do not apply to experts."""
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        weights, experts = self.route(rows)
+        # a step being captured into a CUDA graph cannot read the choice on the host, whatever its size
+        if rows.is_cuda and (rows.shape[0] * self.top_k <= GATHER_PAIRS or torch.cuda.is_current_stream_capturing()):
+            out = self._gathered(rows, weights, experts)
+        else:
+            out = self._grouped(rows, weights, experts)
+        return out.view(shape)
+
+    def _mlp(self, x: torch.Tensor, gate_up: Weight, up: Optional[Weight], down: Weight) -> torch.Tensor:
+        if up is None:
+            gate, upv = _project(x, gate_up).chunk(2, dim=-1)
+        else:
+            gate, upv = _project(x, gate_up), _project(x, up)
+        return _project(self.act(gate, upv), down)
+
+    def _grouped(self, rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        slot_weight = weights.reshape(-1)
+        out = torch.zeros_like(rows)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            pairs = order[start : start + count]
+            start += count
+            token = pairs // self.top_k
+            up = None if self.up is None else self.up.expert(e)
+            y = self._mlp(rows.index_select(0, token), self.gate_up.expert(e), up, self.down.expert(e))
+            out.index_add_(0, token, y * slot_weight.index_select(0, pairs).unsqueeze(-1))
+        return out
+
+    def _gathered(self, rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        m, k = experts.shape
+        flat = experts.reshape(-1)
+        gate_up = self.gate_up.gather(flat)
+        up = None if self.up is None else self.up.gather(flat)
+        down = self.down.gather(flat)
+        outs = [self._mlp(rows[j // k : j // k + 1], gate_up.expert(j), None if up is None else up.expert(j),
+                          down.expert(j)) for j in range(m * k)]
+        y = torch.cat(outs, dim=0) * weights.reshape(-1, 1)
+        return y.view(m, k, -1).sum(dim=1)
