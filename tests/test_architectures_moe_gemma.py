@@ -15,9 +15,9 @@ from typing import Any, Callable, Dict, List
 import pytest
 import torch
 
-from kobold_backend.engine.gptq import GPTQWeight
 from kobold_backend.engine.loader import LoadedModel, load_model
 from kobold_backend.engine.moe import ExpertStack, RoutedExperts
+from kobold_backend.ops.gptq_weight import GPTQWeight
 from tests.fixtures.hf_oracle import hf_load, hf_step, row_rel_err
 from tests.fixtures.moe_gemma_checkpoints import SPECS, ArchFactory, BuiltArch
 
@@ -345,8 +345,8 @@ def test_united_accepts_the_folder_and_the_planner_counts_it(name: str, archs, o
     norms), so a split plan made without reading weights counts what the loader holds, byte for byte."""
     from kobold_backend.engine.config import ModelConfig
     from kobold_backend.engine.device_map import Sizes, checkpoint_shapes, config_shapes, plan_device_map
+    from kobold_backend.engine.load_options import requested_parameters
     from kobold_backend.host.backend import check_model_folder
-    from kobold_backend.host.parameters import requested_parameters
 
     built, lm = archs.get(name), ours(name)
     assert check_model_folder(built.path) is None

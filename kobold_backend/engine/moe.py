@@ -23,7 +23,7 @@ import torch
 
 from kobold_backend import ops
 from kobold_backend.engine.fuse import concat_outputs
-from kobold_backend.engine.gptq import GPTQWeight
+from kobold_backend.ops.gptq_weight import GPTQWeight
 
 Weight = Union[torch.Tensor, GPTQWeight]
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
