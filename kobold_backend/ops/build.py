@@ -39,6 +39,14 @@ def source_dir() -> Path:
     raise BuildError(f"the kernel sources (csrc/) are not next to {_PACKAGE_DIR}; reinstall kobold-backend.")
 
 
+def compile_root() -> Tuple[Path, Path]:
+    """(the folder every compile runs in, the kernel sources relative to it). Relative source and include paths keep
+    the checkout's location out of the binaries (`__FILE__` in the CUDA error messages, -lineinfo's file names), so
+    a module built from another clone is byte-identical."""
+    src = source_dir()
+    return src.parent, Path(src.name)
+
+
 def package_version() -> str:
     text = (_PACKAGE_DIR / "__init__.py").read_text(encoding="utf-8")
     match = re.search(r'^__version__\s*=\s*"([^"]+)"', text, re.M)
@@ -56,7 +64,8 @@ def cpu_sources(src: Path) -> List[Path]:
 
 
 def cuda_sources(src: Path) -> List[Path]:
-    return sorted((src / "cuda").glob("*.cu"))
+    found = (src if src.is_absolute() else source_dir().parent / src) / "cuda"
+    return sorted(src / "cuda" / f.name for f in found.glob("*.cu"))
 
 
 def cuda_binding_source(src: Path) -> Path:
@@ -153,8 +162,8 @@ def _progress(message: str) -> None:
     sys.stderr.flush()
 
 
-def _run(cmd: List[str], what: str) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+def _run(cmd: List[str], what: str, cwd: Optional[Path] = None) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=None if cwd is None else str(cwd))
     if proc.returncode != 0:
         output = (proc.stdout + proc.stderr).strip()
         raise BuildError(f"{what} failed (exit {proc.returncode}):\n$ {' '.join(cmd)}\n{output}")
@@ -165,13 +174,13 @@ def _jobs() -> int:
     return int(env) if env.isdigit() and int(env) > 0 else max(1, os.cpu_count() or 1)
 
 
-def _parallel(steps: List[Tuple[List[str], str]], log: Callable[[str], None]) -> None:
+def _parallel(steps: List[Tuple[List[str], str]], log: Callable[[str], None], cwd: Optional[Path] = None) -> None:
     total = len(steps)
 
     def one(item: Tuple[int, Tuple[List[str], str]]) -> None:
         index, (cmd, what) = item
         log(f"[{index + 1}/{total}] {what}")
-        _run(cmd, what)
+        _run(cmd, what, cwd)
 
     with ThreadPoolExecutor(max_workers=min(_jobs(), total)) as pool:
         for _ in pool.map(one, enumerate(steps)):
@@ -203,7 +212,7 @@ def _object_key(cmd: Sequence[str], source: Path, tools: Sequence[str]) -> str:
     every header, the compilers' versions and the nvcc flags taken from the environment."""
     h = hashlib.sha256()
     h.update(repr(list(cmd)).encode())
-    for f in [source] + _headers(source_dir()):
+    for f in [source_dir().parent / source] + _headers(source_dir()):
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     for tool in tools:
         h.update(tool_version(tool).encode())
@@ -241,7 +250,7 @@ def build_cpu(out_path: Path, log: Callable[[str], None] = _progress, objects: O
     cxx = find_cxx()
     if not cxx:
         raise BuildError("no C++ compiler found (set CXX or install g++).")
-    src = source_dir()
+    cwd, src = compile_root()
     flags = cxx_flags(src, package_version()) + [f"-I{src / 'cpu'}"]
     kernels, binding = cpu_sources(src)
     with tempfile.TemporaryDirectory(prefix=".kb-build-", dir=str(out_path.parent)) as tmp:
@@ -250,7 +259,7 @@ def build_cpu(out_path: Path, log: Callable[[str], None] = _progress, objects: O
         binding_obj = Path(tmp) / (binding.stem + ".o")
         steps.append((cxx.split() + flags + _python_flags() + ["-c", str(binding), "-o", str(binding_obj)],
                       f"compile {binding.name}"))
-        _parallel(steps, log)
+        _parallel(steps, log, cwd)
         objs = [kernel_obj, binding_obj]
         _publish(objs, Path(tmp))
         staged = Path(tmp) / out_path.name
@@ -298,11 +307,11 @@ def build_cuda(out_path: Path, arch_spec: Optional[str] = None, log: Callable[[s
         raise BuildError("nvcc not found (set CUDA_HOME or put the CUDA toolkit's bin/ on PATH).")
     if not cxx:
         raise BuildError("no C++ compiler found (set CXX or install g++).")
-    src = source_dir()
+    cwd, src = compile_root()
     archs = parse_archs(arch_spec or cuda_arch_spec())
     with tempfile.TemporaryDirectory(prefix=".kb-build-", dir=str(out_path.parent)) as tmp:
         steps, objs = _cuda_compile_steps(src, Path(tmp), archs, nvcc, cxx, objects)
-        _parallel(steps, log)
+        _parallel(steps, log, cwd)
         _publish(objs, Path(tmp))
         staged = Path(tmp) / out_path.name
         log(f"link {out_path.name} (cudart static)")
@@ -319,8 +328,9 @@ def check_cuda(arch_spec: Optional[str] = None, log: Callable[[str], None] = _pr
         raise BuildError("nvcc and a C++ compiler are needed for the CUDA compile check.")
     archs = parse_archs(arch_spec or cuda_arch_spec())
     with tempfile.TemporaryDirectory(prefix="kb-cuda-check-") as tmp:
-        steps, _ = _cuda_compile_steps(source_dir(), Path(tmp), archs, nvcc, cxx)
-        _parallel(steps, log)
+        cwd, src = compile_root()
+        steps, _ = _cuda_compile_steps(src, Path(tmp), archs, nvcc, cxx)
+        _parallel(steps, log, cwd)
 
 
 def jit_key(kind: str) -> str:
