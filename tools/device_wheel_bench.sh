@@ -9,7 +9,7 @@ PY=$(command -v python3); T=cp$($PY -c 'import sys;print("%d%d"%sys.version_info
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 $PY -c "import sys,torch;print(sys.version.split()[0],torch.__version__,torch.version.cuda)"
 rm -f kobold_backend/_ext_*.so; rm -rf /tmp/kbext
-$PY -m pip install -q --no-deps --no-index --target /tmp/kbext wheels/kobold_backend_ext-0.1.0+cu130-$T-$T-manylinux_2_34_x86_64.whl || exit 1
+$PY -m pip install -q --no-deps --no-index --target /tmp/kbext $(ls wheels/kobold_backend_ext-*+cu130-$T-$T-*.whl | head -1) || exit 1
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 fi

@@ -39,6 +39,14 @@ def source_dir() -> Path:
     raise BuildError(f"the kernel sources (csrc/) are not next to {_PACKAGE_DIR}; reinstall kobold-backend.")
 
 
+def compile_root() -> Tuple[Path, Path]:
+    """(the folder every compile runs in, the kernel sources relative to it). Relative source and include paths keep
+    the checkout's location out of the binaries (`__FILE__` in the CUDA error messages, -lineinfo's file names), so
+    a module built from another clone is byte-identical."""
+    src = source_dir()
+    return src.parent, Path(src.name)
+
+
 def package_version() -> str:
     text = (_PACKAGE_DIR / "__init__.py").read_text(encoding="utf-8")
     match = re.search(r'^__version__\s*=\s*"([^"]+)"', text, re.M)
@@ -56,7 +64,8 @@ def cpu_sources(src: Path) -> List[Path]:
 
 
 def cuda_sources(src: Path) -> List[Path]:
-    return sorted((src / "cuda").glob("*.cu"))
+    found = (src if src.is_absolute() else source_dir().parent / src) / "cuda"
+    return sorted(src / "cuda" / f.name for f in found.glob("*.cu"))
 
 
 def cuda_binding_source(src: Path) -> Path:
@@ -153,8 +162,8 @@ def _progress(message: str) -> None:
     sys.stderr.flush()
 
 
-def _run(cmd: List[str], what: str) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+def _run(cmd: List[str], what: str, cwd: Optional[Path] = None) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=None if cwd is None else str(cwd))
     if proc.returncode != 0:
         output = (proc.stdout + proc.stderr).strip()
         raise BuildError(f"{what} failed (exit {proc.returncode}):\n$ {' '.join(cmd)}\n{output}")
@@ -165,13 +174,13 @@ def _jobs() -> int:
     return int(env) if env.isdigit() and int(env) > 0 else max(1, os.cpu_count() or 1)
 
 
-def _parallel(steps: List[Tuple[List[str], str]], log: Callable[[str], None]) -> None:
+def _parallel(steps: List[Tuple[List[str], str]], log: Callable[[str], None], cwd: Optional[Path] = None) -> None:
     total = len(steps)
 
     def one(item: Tuple[int, Tuple[List[str], str]]) -> None:
         index, (cmd, what) = item
         log(f"[{index + 1}/{total}] {what}")
-        _run(cmd, what)
+        _run(cmd, what, cwd)
 
     with ThreadPoolExecutor(max_workers=min(_jobs(), total)) as pool:
         for _ in pool.map(one, enumerate(steps)):
@@ -198,18 +207,61 @@ def _shared_flags() -> List[str]:
     return ["-shared", "-undefined", "dynamic_lookup"] if sys.platform == "darwin" else ["-shared"]
 
 
-def build_cpu(out_path: Path, log: Callable[[str], None] = _progress) -> Path:
-    """Compile `_ext_cpu` into out_path (written atomically: a failed build leaves nothing there)."""
+def _object_key(cmd: Sequence[str], source: Path, tools: Sequence[str]) -> str:
+    """What a Python-independent object depends on: its command line (without the output path), the source and
+    every header, the compilers' versions and the nvcc flags taken from the environment."""
+    h = hashlib.sha256()
+    h.update(repr(list(cmd)).encode())
+    for f in [source_dir().parent / source] + _headers(source_dir()):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    for tool in tools:
+        h.update(tool_version(tool).encode())
+    for var in ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS"):
+        h.update(os.environ.get(var, "").encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _kernel_steps(cmd: List[str], source: Path, tmp: Path, objects: Optional[Path], tools: Sequence[str],
+                  what: str) -> Tuple[List[Tuple[List[str], str]], Path]:
+    """The compile step of a source that does not include Python.h, and its object. With `objects` (a folder kept
+    by the caller, e.g. tools/build_wheels.py across Pythons) the object is compiled there once under a name keyed
+    by _object_key and reused by later builds: the step list is empty when it already exists."""
+    if objects is None:
+        obj = tmp / (source.stem + ".o")
+        return [(cmd + ["-c", str(source), "-o", str(obj)], what)], obj
+    obj = objects / f"{source.stem}-{_object_key(cmd, source, tools)}.o"
+    if obj.is_file():
+        return [], obj
+    staged = tmp / obj.name
+    return [(cmd + ["-c", str(source), "-o", str(staged)], what)], obj
+
+
+def _publish(objs: Sequence[Path], tmp: Path) -> None:
+    """Move the reusable objects compiled in this build from tmp into their folder (atomic per file)."""
+    for obj in objs:
+        staged = tmp / obj.name
+        if obj.parent != tmp and staged.is_file():
+            os.replace(staged, obj)
+
+
+def build_cpu(out_path: Path, log: Callable[[str], None] = _progress, objects: Optional[Path] = None) -> Path:
+    """Compile `_ext_cpu` into out_path (written atomically: a failed build leaves nothing there). `objects`: a
+    folder where the kernel object (ops_cpu.cpp, the same for every Python) is kept and reused."""
     cxx = find_cxx()
     if not cxx:
         raise BuildError("no C++ compiler found (set CXX or install g++).")
-    src = source_dir()
-    flags = cxx_flags(src, package_version()) + [f"-I{src / 'cpu'}"] + _python_flags()
+    cwd, src = compile_root()
+    flags = cxx_flags(src, package_version()) + [f"-I{src / 'cpu'}"]
+    kernels, binding = cpu_sources(src)
     with tempfile.TemporaryDirectory(prefix=".kb-build-", dir=str(out_path.parent)) as tmp:
-        objs = [Path(tmp) / (s.stem + ".o") for s in cpu_sources(src)]
-        steps = [(cxx.split() + flags + ["-c", str(s), "-o", str(o)], f"compile {s.name}")
-                 for s, o in zip(cpu_sources(src), objs)]
-        _parallel(steps, log)
+        steps, kernel_obj = _kernel_steps(cxx.split() + flags, kernels, Path(tmp), objects, [cxx],
+                                          f"compile {kernels.name}")
+        binding_obj = Path(tmp) / (binding.stem + ".o")
+        steps.append((cxx.split() + flags + _python_flags() + ["-c", str(binding), "-o", str(binding_obj)],
+                      f"compile {binding.name}"))
+        _parallel(steps, log, cwd)
+        objs = [kernel_obj, binding_obj]
+        _publish(objs, Path(tmp))
         staged = Path(tmp) / out_path.name
         log(f"link {out_path.name}")
         link = cxx.split() + _shared_flags() + [str(o) for o in objs] + ["-o", str(staged)]
@@ -228,13 +280,15 @@ def nvcc_flags(src: Path, version: str, archs: Sequence[Tuple[str, bool]]) -> Li
     ] + gencode_flags(archs)
 
 
-def _cuda_compile_steps(src: Path, tmp: Path, archs: Sequence[Tuple[str, bool]], nvcc: str, cxx: str
-                        ) -> Tuple[List[Tuple[List[str], str]], List[Path]]:
+def _cuda_compile_steps(src: Path, tmp: Path, archs: Sequence[Tuple[str, bool]], nvcc: str, cxx: str,
+                        objects: Optional[Path] = None) -> Tuple[List[Tuple[List[str], str]], List[Path]]:
     version = package_version()
-    steps, objs = [], []
+    steps: List[Tuple[List[str], str]] = []
+    objs: List[Path] = []
     for s in cuda_sources(src):
-        obj = tmp / (s.stem + ".cu.o")
-        steps.append(([nvcc] + nvcc_flags(src, version, archs) + ["-c", str(s), "-o", str(obj)], f"nvcc {s.name}"))
+        kernel_steps, obj = _kernel_steps([nvcc] + nvcc_flags(src, version, archs), s, tmp, objects, [nvcc, cxx],
+                                          f"nvcc {s.name}")
+        steps += kernel_steps
         objs.append(obj)
     binding = cuda_binding_source(src)
     obj = tmp / (binding.stem + ".o")
@@ -244,18 +298,21 @@ def _cuda_compile_steps(src: Path, tmp: Path, archs: Sequence[Tuple[str, bool]],
     return steps, objs
 
 
-def build_cuda(out_path: Path, arch_spec: Optional[str] = None, log: Callable[[str], None] = _progress) -> Path:
-    """Compile `_ext_cuda` (cudart linked statically) into out_path atomically."""
+def build_cuda(out_path: Path, arch_spec: Optional[str] = None, log: Callable[[str], None] = _progress,
+               objects: Optional[Path] = None) -> Path:
+    """Compile `_ext_cuda` (cudart linked statically) into out_path atomically. `objects`: a folder where the
+    kernel objects (the .cu files, the same for every Python) are kept and reused; only the binding is per Python."""
     nvcc, cxx = find_nvcc(), find_cxx()
     if not nvcc:
         raise BuildError("nvcc not found (set CUDA_HOME or put the CUDA toolkit's bin/ on PATH).")
     if not cxx:
         raise BuildError("no C++ compiler found (set CXX or install g++).")
-    src = source_dir()
+    cwd, src = compile_root()
     archs = parse_archs(arch_spec or cuda_arch_spec())
     with tempfile.TemporaryDirectory(prefix=".kb-build-", dir=str(out_path.parent)) as tmp:
-        steps, objs = _cuda_compile_steps(src, Path(tmp), archs, nvcc, cxx)
-        _parallel(steps, log)
+        steps, objs = _cuda_compile_steps(src, Path(tmp), archs, nvcc, cxx, objects)
+        _parallel(steps, log, cwd)
+        _publish(objs, Path(tmp))
         staged = Path(tmp) / out_path.name
         log(f"link {out_path.name} (cudart static)")
         _run([nvcc, "-shared", "-cudart=static"] + gencode_flags(archs) + [str(o) for o in objs] + ["-o", str(staged)],
@@ -271,8 +328,9 @@ def check_cuda(arch_spec: Optional[str] = None, log: Callable[[str], None] = _pr
         raise BuildError("nvcc and a C++ compiler are needed for the CUDA compile check.")
     archs = parse_archs(arch_spec or cuda_arch_spec())
     with tempfile.TemporaryDirectory(prefix="kb-cuda-check-") as tmp:
-        steps, _ = _cuda_compile_steps(source_dir(), Path(tmp), archs, nvcc, cxx)
-        _parallel(steps, log)
+        cwd, src = compile_root()
+        steps, _ = _cuda_compile_steps(src, Path(tmp), archs, nvcc, cxx)
+        _parallel(steps, log, cwd)
 
 
 def jit_key(kind: str) -> str:
