@@ -402,10 +402,12 @@ def test_generator_greedy_matches_transformers(name: str, archs, ours, hf) -> No
 # tests. A router's top-k is a discrete choice: where two experts' router logits are closer than fp16 rounding (the
 # fixtures' fp32 paths have gaps down to 1e-3), fp16 may pick the other expert for that token, a legitimate
 # difference of a few percent. For the MoE fixtures the bound therefore holds for the median and for 80% of the
-# steps, and the same paths run in float32 on CUDA (torch ops, routing gathered on the device, graphs) where every
-# step must be within the CPU bound.
+# steps. Gemma 3's seven layers of fp16 norms give up to 1.3e-2 (bound 2e-2). Every fixture also runs the same
+# paths in float32 on CUDA (torch ops, routing gathered on the device, graphs), where every step must be within
+# the CPU bound: that is what proves the GPU logic, the fp16 bounds only measure rounding.
 
 GPU_RTOL = 5e-3
+GEMMA3_FP16_RTOL = 2e-2
 GPU_FP32_RTOL = 1e-4
 
 
@@ -429,6 +431,10 @@ def _gpu_errors(built: BuiltArch, ref_model: torch.nn.Module, dtype: str, graphs
 
 
 def _within_fp16_bound(name: str, errs: List[float]) -> bool:
+    if name.startswith("gemma3"):
+        # 7 layers, each with q/k and four (1 + w) norms rounded to fp16: measured 4e-3 to 1.3e-2 on the H200
+        # (2026-12-02) while the same steps in float32 on CUDA stay within 1e-4 (test below), so this is rounding.
+        return max(errs) < GEMMA3_FP16_RTOL
     if name not in MOE:
         return max(errs) < GPU_RTOL
     ordered = sorted(errs)
@@ -448,8 +454,8 @@ def test_gpu_fp16_matches_transformers(name: str, graphs: bool, archs, hf, recor
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-@pytest.mark.parametrize("name", MOE)
-def test_gpu_fp32_moe_matches_transformers_at_every_step(name: str, graphs: bool, archs, hf) -> None:
+@pytest.mark.parametrize("name", ALL)
+def test_gpu_fp32_matches_transformers_at_every_step(name: str, graphs: bool, archs, hf) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     errs = _gpu_errors(archs.get(name), hf(name), "float32", graphs)
