@@ -208,3 +208,22 @@ def test_adapter_names_stay_inside_the_lora_folder(lm, lora_dir, tmp_path) -> No
                           ("link", "'link' leads outside the LoRA adapter folder")]:
         with pytest.raises(RequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
             build_passthrough({"lora": {"name": name}}, lm.model, config)
+
+
+def test_adapter_on_fused_phi3_projections_matches_peft(tmp_path: Path) -> None:
+    """Phi-3 checkpoints store qkv_proj and gate_up_proj fused, so PEFT adapters target those modules; their B rows
+    split into the q/k/v (gate/up) deltas the engine applies to the fused weight's parts."""
+    from tests.fixtures.arch_checkpoints import ARCH_BY_NAME, build_arch_checkpoint
+
+    phi3 = build_arch_checkpoint(ARCH_BY_NAME["phi3"], tmp_path / "hf")
+    make_adapter(phi3.path, tmp_path / "lora" / "fused", seed=5,
+                 target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    model = load_model(phi3.path, device="cpu")
+    assert model.model.layers[0].qkv_proj is not None and model.model.layers[0].gate_up_proj is not None
+    ids = torch.tensor([[1, 17, 230, 44, 5, 912, 77, 3, 64, 150]])
+    pt = build_passthrough({"lora": [{"name": "fused"}]}, model.model, PassthroughConfig(lora_dir=tmp_path / "lora"))
+    ours = ours_logits(model, ids, pt)
+    with torch.no_grad():
+        ref = peft_merged(phi3.path, {"fused": tmp_path / "lora" / "fused"})(ids).logits
+    assert row_rel_err(ours, ours_logits(model, ids, None)) > 1e-2
+    assert row_rel_err(ours, ref) < RTOL

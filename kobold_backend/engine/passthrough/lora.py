@@ -21,9 +21,11 @@ from kobold_backend.engine.passthrough.checks import as_entries, as_number, as_o
 
 LORA_KEYS = ("name", "scale")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Checkpoints that store q/k/v or gate/up fused (Phi-3) get adapters on the fused module: its B rows are the parts'.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.[\w-]+)?\.weight$")
 _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
 
 
 class LoraFormatError(ValueError):
@@ -102,9 +104,9 @@ def load_lora(folder: Path, model: Any) -> LoraAdapter:
                     raise LoraFormatError(f"tensor {key} targets a module kobold_backend cannot apply LoRA to "
                                           f"(supported: {', '.join(PROJECTIONS)} in the decoder layers)")
                 layer, block, proj, which = int(match.group(1)), match.group(2), match.group(3), match.group(4)
-                if proj not in PROJECTIONS or _BLOCK[proj] != block:
+                if proj not in _BLOCK or _BLOCK[proj] != block:
                     raise LoraFormatError(f"tensor {key} targets {block}.{proj}, which kobold_backend cannot apply "
-                                          f"LoRA to (supported: {', '.join(PROJECTIONS)})")
+                                          f"LoRA to (supported: {', '.join(list(PROJECTIONS) + list(FUSED))})")
                 if layer >= num_layers:
                     raise LoraFormatError(f"tensor {key} is for layer {layer} but the model has {num_layers} layers")
                 pieces.setdefault((layer, proj), {})[which] = f.get_tensor(key)
@@ -119,7 +121,8 @@ def load_lora(folder: Path, model: Any) -> LoraAdapter:
         if set(ab) != {"A", "B"}:
             raise LoraFormatError(f"layer {layer} {proj} has lora_{''.join(ab)} but not both lora_A and lora_B")
         a, b = ab["A"], ab["B"]
-        in_f, out_f = dims[proj]
+        parts = FUSED.get(proj, (proj,))
+        in_f, out_f = dims[parts[0]][0], sum(dims[p][1] for p in parts)
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
             raise LoraFormatError(f"layer {layer} {proj}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not "
                                   f"fit a [{out_f}, {in_f}] projection (expected A [r, {in_f}], B [{out_f}, r])")
@@ -127,8 +130,14 @@ def load_lora(folder: Path, model: Any) -> LoraAdapter:
         scaling = alpha / (math.sqrt(r) if rslora else r)
         dev, dtype = model.layers[layer].device, model.layers[layer].input_norm.dtype
         a_t = a.float().t().contiguous().to(device=dev, dtype=dtype)
-        b_t = (scaling * b.float()).t().contiguous().to(device=dev, dtype=dtype)
-        targets[(layer, proj)] = (a_t, b_t)
+        start = 0
+        for part in parts:  # a fused module's delta is its parts' deltas stacked: B's rows split the same way
+            if (layer, part) in targets:
+                raise LoraFormatError(f"layer {layer} {part} is adapted twice (as {part} and inside {proj})")
+            end = start + dims[part][1]
+            b_t = (scaling * b[start:end].float()).t().contiguous().to(device=dev, dtype=dtype)
+            targets[(layer, part)] = (a_t, b_t)
+            start = end
     return LoraAdapter(targets)
 
 
