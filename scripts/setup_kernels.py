@@ -24,8 +24,19 @@ from typing import Any, Dict, Optional, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kobold_backend import wheels  # noqa: E402 (the checkout is put on sys.path first)
-from kobold_backend.ops import build  # noqa: E402
+from kobold_backend import wheels  # noqa: E402 (the checkout is put on sys.path first; no torch import)
+
+
+def _load(name: str, path: Path) -> Any:
+    """A module loaded by path: kobold_backend.ops imports torch, which the pre-torch check cannot."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build = _load("kb_build", ROOT / "kobold_backend" / "ops" / "build.py")  # standard library only
 
 # What the pre-torch check assumes: setup.sh installs a torch in pyproject's range, and every range admits its floor.
 TORCH_FLOOR = "2.1.0"
@@ -39,11 +50,7 @@ def say(message: str) -> None:
 
 def sources_digest() -> str:
     """The digest tools/build_wheels.py records per wheel (`sources`): csrc/ and build.py of this checkout."""
-    spec = importlib.util.spec_from_file_location("kb_build_wheels", ROOT / "tools" / "build_wheels.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.sources_digest()
+    return _load("kb_build_wheels", ROOT / "tools" / "build_wheels.py").sources_digest()
 
 
 def decide(env: Dict[str, Any], entries: Any, cxx: Optional[str], nvcc: Optional[str], digest: str

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OURS = re.compile(r"kobold[_-]backend|__editable__", re.IGNORECASE)
 TOOLS = ("bash", "dirname", "awk")  # every program scripts/setup.sh runs besides the environment's Python
 HERE = f"{sys.version_info[0]}.{sys.version_info[1]}"
+BUILD_TOOLS = re.compile(r"(_distutils_hack|pip|setuptools|pkg_resources|wheel|pybind11|packaging)\b", re.IGNORECASE)
 
 
 def copy_checkout(dest: Path) -> None:
@@ -38,17 +39,16 @@ def copy_checkout(dest: Path) -> None:
             shutil.copy2(src, dest / name)
 
 
-def new_environment(checkout: Path) -> Path:
-    """checkout/.venv, a new environment of this Python without kobold_backend, that sees this environment's other
-    packages (torch, pip, setuptools...) through a .pth file naming a mirror of site-packages, so nothing is
-    downloaded."""
-    venv.EnvBuilder(with_pip=False).create(checkout / ".venv")
-    mirror = checkout.parent / "site-packages-mirror"
+def new_environment(folder: Path, keep: re.Pattern[str] = re.compile(".")) -> Path:
+    """folder/.venv, a new environment of this Python that sees this environment's packages whose names match `keep`
+    (never kobold_backend) through a .pth file naming a mirror of site-packages, so nothing is downloaded."""
+    venv.EnvBuilder(with_pip=False).create(folder / ".venv")
+    mirror = folder.parent / f"{folder.name}-site-packages"
     mirror.mkdir()
     for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
-        if not OURS.search(entry.name) and entry.suffix != ".pth":
+        if keep.match(entry.name) and not OURS.search(entry.name) and entry.suffix != ".pth":
             (mirror / entry.name).symlink_to(entry)
-    python = checkout / ".venv" / "bin" / "python"
+    python = folder / ".venv" / "bin" / "python"
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
     (Path(purelib) / "parent_env.pth").write_text(f"{mirror}\n")
@@ -128,6 +128,27 @@ def test_setup_without_compiler_installs_the_wheel(fresh: Dict[str, Any]) -> Non
     assert doctor.returncode == 0, doctor.stderr
     assert f"CPU kernels: prebuilt {cpu['file']}" in doctor.stdout
     assert f"{wheels.DIST_NAME} {installed}" in doctor.stdout
+
+
+def test_setup_check_runs_before_torch_is_installed(tmp_path: Path) -> None:
+    """`setup_kernels.py --check` runs where setup.sh calls it: before the torch download, in an environment that
+    has only the build tools (pip, setuptools, wheel, pybind11, packaging)."""
+    (tmp_path / "bare").mkdir()
+    python = new_environment(tmp_path / "bare", keep=BUILD_TOOLS)
+    assert subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode != 0
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    (empty / "index.json").write_text(json.dumps(wheels.empty_index()))
+    runs = {}
+    for name, index in (("committed", None), ("empty", empty)):
+        env = no_compiler_env(tmp_path, **({"KOBOLD_BACKEND_WHEELS": str(index)} if index else {}))
+        runs[name] = subprocess.run([str(python), str(ROOT / "scripts" / "setup_kernels.py"), "--check"],
+                                    capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    assert runs["empty"].returncode == 1 and "Traceback" not in runs["empty"].stderr, runs["empty"].stderr
+    assert runs["empty"].stderr.startswith("setup: no prebuilt kernel wheel fits Python ")
+    assert len(runs["empty"].stderr.strip().splitlines()) == 1
+    if any(e["python"] == HERE for e in wheels.load_index(wheels.default_index_path())["entries"]):
+        assert runs["committed"].returncode == 0 and runs["committed"].stderr == "", runs["committed"].stderr
 
 
 def load_script(path: Path) -> Any:
