@@ -28,8 +28,8 @@ step "installing the build tools (pip, setuptools, wheel, pybind11, packaging)" 
 # Before the large torch download: fail now when neither a prebuilt wheel nor a compiler can provide the kernels.
 step "checking for a prebuilt kernel wheel or a C++ compiler" "$VPY" scripts/setup_kernels.py --check
 
-if "$VPY" -c "import torch" 2>/dev/null; then
-  echo "setup: torch $("$VPY" -c "import torch; print(torch.__version__)") is already installed" >&2
+if torch_version=$("$VPY" -c "import torch; print(torch.__version__)" 2>/dev/null); then
+  echo "setup: torch $torch_version is already installed" >&2
 else
   # A CPU-only machine gets the newest CPU build the package index offers below 2.14;
   # set KOBOLD_BACKEND_TORCH to choose another (e.g. a CUDA build on a GPU machine).
