@@ -1,8 +1,13 @@
 """Builds kobold-backend with its native modules: _ext_cpu (C++ compiler) always, _ext_cuda where nvcc is found.
 
 Metadata is in pyproject.toml; compiler flags are in kobold_backend/ops/build.py (shared with the JIT loader).
-Environment: KOBOLD_BACKEND_NO_CUDA=1 skips the CUDA module; KOBOLD_BACKEND_CUDA_ARCH picks its GPU archs
-(default "8.0 8.6 8.9 9.0+PTX"); MAX_JOBS caps parallel compiles.
+Environment: KOBOLD_BACKEND_NO_NATIVE=1 builds the Python package alone (scripts/setup.sh then installs a prebuilt
+kernel wheel or compiles the modules itself); KOBOLD_BACKEND_NO_CUDA=1 skips the CUDA module;
+KOBOLD_BACKEND_CUDA_ARCH picks its GPU archs (default "8.0 8.6 8.9 9.0+PTX"); MAX_JOBS caps parallel compiles.
+
+The licence is set here, not in pyproject.toml: setuptools >= 77 wants an SPDX expression (`license_expression`,
+and warns about the old `license` table), but setuptools 77 needs Python >= 3.9 and Python 3.8 is supported, so
+older setuptools get the same text in the old `license` field.
 """
 
 import importlib.util
@@ -10,6 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
+import setuptools
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
@@ -44,8 +50,14 @@ class BuildPyWithSources(build_py):
         shutil.copytree(ROOT / "csrc", Path(self.build_lib) / "kobold_backend" / "_csrc", dirs_exist_ok=True)
 
 
-extensions = [Extension(f"kobold_backend.{kb_build.CPU_MODULE}", sources=[])]
-if os.environ.get("KOBOLD_BACKEND_NO_CUDA", "") != "1" and kb_build.find_nvcc():
-    extensions.append(Extension(f"kobold_backend.{kb_build.CUDA_MODULE}", sources=[]))
+LICENSE = "AGPL-3.0-or-later"
+SPDX_METADATA = int(setuptools.__version__.split(".")[0]) >= 77
+licence = {"license_expression": LICENSE} if SPDX_METADATA else {"license": LICENSE}
 
-setup(ext_modules=extensions, cmdclass={"build_ext": BuildNative, "build_py": BuildPyWithSources})
+extensions = []
+if os.environ.get("KOBOLD_BACKEND_NO_NATIVE", "") != "1":
+    extensions.append(Extension(f"kobold_backend.{kb_build.CPU_MODULE}", sources=[]))
+    if os.environ.get("KOBOLD_BACKEND_NO_CUDA", "") != "1" and kb_build.find_nvcc():
+        extensions.append(Extension(f"kobold_backend.{kb_build.CUDA_MODULE}", sources=[]))
+
+setup(ext_modules=extensions, cmdclass={"build_ext": BuildNative, "build_py": BuildPyWithSources}, **licence)

@@ -1,10 +1,14 @@
 """Shared fixtures: tokenizers and tiny checkpoints built once per test session under one temporary folder, and a
-KoboldAI United checkout for the plugin tests."""
+KoboldAI United checkout for the plugin tests. Every cache a test could read or fill points into a folder made for
+this session (pytest_configure), so no run depends on what an earlier one left behind."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Dict, Iterator, Optional
 
 import pytest
 
@@ -51,3 +55,39 @@ def united(tmp_path: Path) -> Iterator[UnitedHost]:
     with host:
         host.discover()
         yield host
+
+
+# Where the suite's caches and per-user folders go, relative to the session folder; the variables in UNSET would
+# otherwise override them.
+PRIVATE_DIRS = {
+    "XDG_CACHE_HOME": "cache",  # pip's cache, the random demo model's fallback build, Hugging Face's default
+    "XDG_CONFIG_HOME": "config",  # Chromium's profile and crash reports, pip's per-user configuration
+    "XDG_DATA_HOME": "data",
+    "XDG_STATE_HOME": "state",
+    "KOBOLD_BACKEND_CACHE": "cache/kobold_backend/ext",  # the JIT build cache
+    "HF_HOME": "cache/huggingface",
+    "PIP_CACHE_DIR": "cache/pip",
+}
+UNSET = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE", "HF_DATASETS_CACHE", "KOBOLD_BACKEND_WHEELS")
+_saved_env: Dict[str, Optional[str]] = {}
+_session_home: Optional[Path] = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Point every cache into a fresh folder under $TMPDIR for this session (child processes inherit it)."""
+    global _session_home
+    _session_home = Path(tempfile.mkdtemp(prefix="kobold-backend-session-"))
+    for name in list(PRIVATE_DIRS) + list(UNSET):
+        _saved_env[name] = os.environ.pop(name, None)
+    for name, sub in PRIVATE_DIRS.items():
+        (_session_home / sub).mkdir(parents=True, exist_ok=True)
+        os.environ[name] = str(_session_home / sub)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for name, value in _saved_env.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
+    if _session_home is not None:
+        shutil.rmtree(_session_home, ignore_errors=True)

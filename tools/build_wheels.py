@@ -118,6 +118,7 @@ def pybind11_shim(spec: str) -> Path:
         return shim
     shim = Path(tempfile.gettempdir()) / "kobold-backend-wheel-build" / f"pybind11-{spec}"
     if not (shim / "pybind11").is_dir():
+        shim.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".pybind11-{spec}-", dir=str(shim.parent)))
         log(f"installing pybind11=={spec} into {shim}")
         proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
