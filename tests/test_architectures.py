@@ -11,7 +11,7 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, List
 
 import pytest
 import torch
@@ -19,8 +19,7 @@ import torch
 from kobold_backend.engine.loader import LoadedModel, load_model
 from kobold_backend.ops.gptq_weight import GPTQWeight
 from tests.fixtures.arch_checkpoints import ARCH_SPECS, ArchCheckpointFactory
-from tests.fixtures.checkpoints import BuiltCheckpoint
-from tests.fixtures.hf_oracle import hf_load, hf_step, row_rel_err
+from tests.fixtures.hf_oracle import by_name, hf_load, hf_step, prompt_ids, row_rel_err
 
 ALL = [s.name for s in ARCH_SPECS]
 SWA = ["mistral_swa", "qwen2_swa"]
@@ -30,12 +29,6 @@ GREEDY_TOKENS = 32
 MAX_SEQ = 96  # below phi3_longrope's original context (128): the short factors, as transformers uses there
 
 
-def prompt_ids(built: BuiltCheckpoint, n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, built.tokenizer_vocab_size - 3, (1, n), generator=g)
-    ids[0, 0] = built.bos_token_id
-    return ids
-
 
 @pytest.fixture(scope="module")
 def archs(tmp_path_factory: pytest.TempPathFactory) -> ArchCheckpointFactory:
@@ -44,26 +37,12 @@ def archs(tmp_path_factory: pytest.TempPathFactory) -> ArchCheckpointFactory:
 
 @pytest.fixture(scope="module")
 def ours(archs: ArchCheckpointFactory) -> Callable[[str], LoadedModel]:
-    loaded: Dict[str, LoadedModel] = {}
-
-    def get(name: str) -> LoadedModel:
-        if name not in loaded:
-            loaded[name] = load_model(archs.get(name).path, device="cpu", max_seq_len=MAX_SEQ)
-        return loaded[name]
-
-    return get
+    return by_name(lambda name: load_model(archs.get(name).path, device="cpu", max_seq_len=MAX_SEQ))
 
 
 @pytest.fixture(scope="module")
 def hf(archs: ArchCheckpointFactory) -> Callable[[str], torch.nn.Module]:
-    loaded: Dict[str, torch.nn.Module] = {}
-
-    def get(name: str) -> torch.nn.Module:
-        if name not in loaded:
-            loaded[name] = hf_load(archs.get(name).oracle_path)
-        return loaded[name]
-
-    return get
+    return by_name(lambda name: hf_load(archs.get(name).oracle_path))
 
 
 def greedy_both(lm: LoadedModel, ref_model: torch.nn.Module, prompt: torch.Tensor, steps: int):

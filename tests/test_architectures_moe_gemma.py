@@ -18,7 +18,7 @@ import torch
 from kobold_backend.engine.loader import LoadedModel, load_model
 from kobold_backend.engine.moe import ExpertStack, RoutedExperts
 from kobold_backend.ops.gptq_weight import GPTQWeight
-from tests.fixtures.hf_oracle import hf_load, hf_step, row_rel_err
+from tests.fixtures.hf_oracle import by_name, hf_load, hf_step, prompt_ids, row_rel_err
 from tests.fixtures.moe_gemma_checkpoints import SPECS, ArchFactory, BuiltArch
 
 ALL = [s.name for s in SPECS]
@@ -30,12 +30,6 @@ GREEDY_TOKENS = 32
 MAX_SEQ = 96
 
 
-def prompt_ids(built: BuiltArch, n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, built.tokenizer_vocab_size - 3, (1, n), generator=g)
-    ids[0, 0] = built.bos_token_id
-    return ids
-
 
 @pytest.fixture(scope="module")
 def archs(tmp_path_factory: pytest.TempPathFactory) -> ArchFactory:
@@ -44,26 +38,12 @@ def archs(tmp_path_factory: pytest.TempPathFactory) -> ArchFactory:
 
 @pytest.fixture(scope="module")
 def ours(archs: ArchFactory) -> Callable[[str], LoadedModel]:
-    loaded: Dict[str, LoadedModel] = {}
-
-    def get(name: str) -> LoadedModel:
-        if name not in loaded:
-            loaded[name] = load_model(archs.get(name).path, device="cpu", max_seq_len=MAX_SEQ)
-        return loaded[name]
-
-    return get
+    return by_name(lambda name: load_model(archs.get(name).path, device="cpu", max_seq_len=MAX_SEQ))
 
 
 @pytest.fixture(scope="module")
 def hf(archs: ArchFactory) -> Callable[[str], torch.nn.Module]:
-    loaded: Dict[str, torch.nn.Module] = {}
-
-    def get(name: str) -> torch.nn.Module:
-        if name not in loaded:
-            loaded[name] = hf_load(archs.get(name).oracle_path)
-        return loaded[name]
-
-    return get
+    return by_name(lambda name: hf_load(archs.get(name).oracle_path))
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -10,51 +10,30 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, List
 
 import pytest
 import torch
 
 from kobold_backend.engine.loader import LoadedModel, load_model
 from kobold_backend.errors import OutOfContextError
-from tests.fixtures.checkpoints import SPECS, BuiltCheckpoint, CheckpointFactory
-from tests.fixtures.hf_oracle import hf_load, hf_step, row_rel_err
+from tests.fixtures.checkpoints import SPECS, CheckpointFactory
+from tests.fixtures.hf_oracle import by_name, hf_load, hf_step, prompt_ids, row_rel_err
 
 ALL = [s.name for s in SPECS]
 LOGITS_RTOL = 1e-4
 REUSE_RTOL = 1e-5
 GREEDY_TOKENS = 32
 
-def prompt_ids(built: BuiltCheckpoint, n: int, seed: int) -> torch.Tensor:
-    """[1, n] ids: bos then random ordinary tokens of the tokenizer's vocabulary."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, built.tokenizer_vocab_size - 3, (1, n), generator=g)
-    ids[0, 0] = built.bos_token_id
-    return ids
-
 
 @pytest.fixture(scope="module")
 def ours(checkpoints: CheckpointFactory) -> Callable[[str], LoadedModel]:
-    loaded: Dict[str, LoadedModel] = {}
-
-    def get(name: str) -> LoadedModel:
-        if name not in loaded:
-            loaded[name] = load_model(checkpoints.get(name).path, device="cpu")
-        return loaded[name]
-
-    return get
+    return by_name(lambda name: load_model(checkpoints.get(name).path, device="cpu"))
 
 
 @pytest.fixture(scope="module")
 def hf(checkpoints: CheckpointFactory) -> Callable[[str], torch.nn.Module]:
-    loaded: Dict[str, torch.nn.Module] = {}
-
-    def get(name: str) -> torch.nn.Module:
-        if name not in loaded:
-            loaded[name] = hf_load(checkpoints.get(name).oracle_path)
-        return loaded[name]
-
-    return get
+    return by_name(lambda name: hf_load(checkpoints.get(name).oracle_path))
 
 
 @pytest.mark.parametrize("name", ALL)

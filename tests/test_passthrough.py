@@ -30,7 +30,7 @@ from kobold_backend.engine.passthrough import registry as registry_module
 from kobold_backend.engine.sampling import SamplerSettings
 from kobold_backend.errors import RequestError
 from tests.fixtures.checkpoints import BuiltCheckpoint, CheckpointFactory
-from tests.fixtures.hf_oracle import hf_load, hf_step, row_rel_err
+from tests.fixtures.hf_oracle import hf_load, hf_step, prompt_ids, row_rel_err
 
 NAME = "dense_fp32"
 RTOL = 1e-4
@@ -38,12 +38,6 @@ GREEDY = SamplerSettings(top_k=1)
 
 
 # ---- helpers shared with the other test_passthrough_* files ----------------------------------------------------
-
-def prompt_ids(built: BuiltCheckpoint, n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, built.tokenizer_vocab_size - 3, (1, n), generator=g)
-    ids[0, 0] = built.bos_token_id
-    return ids
 
 
 def write_gguf_vector(path: Path, directions: Dict[int, torch.Tensor], arch: str = "controlvector") -> Path:
@@ -281,8 +275,10 @@ def test_capture_after_steer_sees_the_steered_stream(lm, hf, built, config) -> N
     pt = build_passthrough(spec, lm.model, config)
     ours_logits(lm, ids, pt)
     seen: List[torch.Tensor] = []
+    with torch.no_grad():  # transformers v5 installs its hidden_states hooks on first use: before the steering hook
+        hf(ids[:, :2], output_hidden_states=True)
     with HFSteering(hf, {0: 2.0 * vec}), torch.no_grad():
-        # transformers v5 records hidden_states with its own hooks, which may run before the steering hook:
+        # transformers v5 records hidden_states with its own hooks, which run before the steering hook:
         # a hook registered after it sees the steered output.
         handle = hf.model.layers[0].register_forward_hook(lambda m, a, out: seen.append(layer_output(out).clone()))
         plain = hf(ids, output_hidden_states=True).hidden_states[1]

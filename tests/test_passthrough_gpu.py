@@ -17,8 +17,8 @@ from kobold_backend.engine.loader import load_model
 from kobold_backend.engine.passthrough import PassthroughConfig, build_passthrough
 from kobold_backend.engine.sampling import SamplerSettings
 from tests.fixtures.checkpoints import CheckpointFactory
-from tests.fixtures.hf_oracle import row_rel_err
-from tests.test_passthrough import decode_capture, prompt_ids, random_vectors
+from tests.fixtures.hf_oracle import prompt_ids, row_rel_err
+from tests.test_passthrough import decode_capture, random_vectors
 
 GPU_RTOL = {"float16": 5e-3, "bfloat16": 3e-2}
 

@@ -20,8 +20,8 @@ from kobold_backend.engine.loader import LoadedModel, load_model
 from kobold_backend.engine.passthrough import PassthroughConfig, build_passthrough
 from kobold_backend.errors import RequestError
 from tests.fixtures.checkpoints import BuiltCheckpoint, CheckpointFactory
-from tests.fixtures.hf_oracle import hf_load, row_rel_err
-from tests.test_passthrough import HFSteering, ours_logits, prompt_ids, random_vectors
+from tests.fixtures.hf_oracle import hf_load, prompt_ids, row_rel_err
+from tests.test_passthrough import HFSteering, ours_logits, random_vectors
 
 RTOL = 1e-4
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
