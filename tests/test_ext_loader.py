@@ -110,7 +110,9 @@ def test_bad_mode_is_one_sentence(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_forced_prebuilt_without_a_module_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, CPU_NAME, None)  # makes the import fail as "not installed"
+    # Neither prebuilt location may import, whichever one setup installed here ("not installed" for both).
+    monkeypatch.setitem(sys.modules, CPU_NAME, None)
+    monkeypatch.setitem(sys.modules, "kobold_backend_ext._ext_cpu", None)
     with pytest.raises(ExtensionError) as info:
         native.load("cpu", mode="prebuilt")
     message = str(info.value)
