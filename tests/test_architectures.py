@@ -19,7 +19,7 @@ import torch
 from kobold_backend.engine.loader import LoadedModel, load_model
 from kobold_backend.ops.gptq_weight import GPTQWeight
 from tests.fixtures.arch_checkpoints import ARCH_SPECS, ArchCheckpointFactory
-from tests.fixtures.hf_oracle import by_name, hf_load, hf_step, prompt_ids, row_rel_err
+from tests.fixtures.hf_oracle import by_name, greedy_both, hf_load, hf_step, prompt_ids, row_rel_err
 
 ALL = [s.name for s in ARCH_SPECS]
 SWA = ["mistral_swa", "qwen2_swa"]
@@ -45,26 +45,6 @@ def hf(archs: ArchCheckpointFactory) -> Callable[[str], torch.nn.Module]:
     return by_name(lambda name: hf_load(archs.get(name).oracle_path))
 
 
-def greedy_both(lm: LoadedModel, ref_model: torch.nn.Module, prompt: torch.Tensor, steps: int):
-    """Greedy decoding through each side's KV cache: (our tokens, our step logits, ref tokens, ref logits)."""
-    cache = lm.model.new_cache()
-    logits = lm.model.forward(prompt, cache)
-    ours_t: List[int] = []
-    ours_l = []
-    for _ in range(steps):
-        ours_l.append(logits[0, -1])
-        ours_t.append(int(logits[0, -1].argmax()))
-        logits = lm.model.forward(torch.tensor([[ours_t[-1]]]), cache)
-    ref_logits, past = hf_step(ref_model, prompt, None)
-    ref_t: List[int] = []
-    ref_l = []
-    for _ in range(steps):
-        ref_l.append(ref_logits[0, -1])
-        ref_t.append(int(ref_logits[0, -1].argmax()))
-        ref_logits, past = hf_step(ref_model, torch.tensor([[ref_t[-1]]]), past)
-    return ours_t, ours_l, ref_t, ref_l
-
-
 @pytest.mark.parametrize("name", ALL)
 def test_logits_match_transformers(name: str, archs, ours, hf, record_property) -> None:
     built = archs.get(name)
@@ -81,11 +61,11 @@ def test_logits_match_transformers(name: str, archs, ours, hf, record_property) 
 @pytest.mark.parametrize("name", ALL)
 def test_greedy_matches_transformers(name: str, archs, ours, hf, record_property) -> None:
     prompt = prompt_ids(archs.get(name), 16, seed=2)
-    ours_t, ours_l, ref_t, ref_l = greedy_both(ours(name), hf(name), prompt, GREEDY_TOKENS)
-    gaps = [float(v.topk(2).values[0] - v.topk(2).values[1]) for v in ref_l]
+    run = greedy_both(ours(name), hf(name), prompt, GREEDY_TOKENS)
+    gaps = [float(v.topk(2).values[0] - v.topk(2).values[1]) for v in run.ref_logits]
     assert min(gaps) > 1e-3, f"fixture {name} has a near-tie on its greedy path (gap {min(gaps):.2e})"
-    assert ours_t == ref_t
-    err = max(row_rel_err(a, b) for a, b in zip(ours_l, ref_l))
+    assert run.tokens == run.ref_tokens
+    err = max(row_rel_err(a, b) for a, b in zip(run.logits, run.ref_logits))
     record_property("max_step_rel_err", err)
     assert err < LOGITS_RTOL, f"{name}: decode-step logits differ by {err:.3e}"
 
@@ -152,22 +132,10 @@ def test_sliding_window_fixture_is_sensitive(name: str, archs, hf, tmp_path: Pat
 @pytest.mark.parametrize("name", SWA)
 def test_sliding_window_long_prompt_then_decode(name: str, archs, ours, hf) -> None:
     """A 24-token prompt (3 windows) prefilled in uneven chunks, then 48 greedy tokens: ours == transformers."""
-    built, lm, ref_model = archs.get(name), ours(name), hf(name)
-    prompt = prompt_ids(built, 24, seed=11)
-    cache = lm.model.new_cache()
-    for chunk in (prompt[:, :5], prompt[:, 5:17], prompt[:, 17:]):
-        logits = lm.model.forward(chunk, cache, last_only=False)
-    ref_logits, past = hf_step(ref_model, prompt, None)
-    assert row_rel_err(logits, ref_logits[:, 17:]) < LOGITS_RTOL
-    tokens, ref_tokens, errs = [], [], []
-    for _ in range(48):
-        errs.append(row_rel_err(logits[0, -1], ref_logits[0, -1]))
-        tokens.append(int(logits[0, -1].argmax()))
-        ref_tokens.append(int(ref_logits[0, -1].argmax()))
-        logits = lm.model.forward(torch.tensor([[tokens[-1]]]), cache)
-        ref_logits, past = hf_step(ref_model, torch.tensor([[ref_tokens[-1]]]), past)
-    assert tokens == ref_tokens
-    assert max(errs) < LOGITS_RTOL
+    run = greedy_both(ours(name), hf(name), prompt_ids(archs.get(name), 24, seed=11), 48, cuts=(5, 17))
+    assert row_rel_err(run.last_chunk, run.ref_prompt[:, 17:]) < LOGITS_RTOL
+    assert run.tokens == run.ref_tokens
+    assert max(row_rel_err(a, b) for a, b in zip(run.logits, run.ref_logits)) < LOGITS_RTOL
 
 
 @pytest.mark.parametrize("name", SWA)
@@ -214,12 +182,10 @@ def test_longrope_long_factors_match_transformers_past_the_original_context(arch
     built = archs.get("phi3_longrope")
     lm = load_model(built.path, device="cpu", max_seq_len=256)
     prompt = prompt_ids(built, 140, seed=13)
-    ours_t, ours_l, ref_t, ref_l = greedy_both(lm, hf("phi3_longrope"), prompt, 8)
-    assert ours_t == ref_t
-    assert max(row_rel_err(a, b) for a, b in zip(ours_l, ref_l)) < LOGITS_RTOL
-    with torch.no_grad():
-        ref = hf("phi3_longrope")(prompt).logits
-    assert row_rel_err(lm.model.forward(prompt, lm.model.new_cache(), last_only=False), ref) < LOGITS_RTOL
+    run = greedy_both(lm, hf("phi3_longrope"), prompt, 8)
+    assert run.tokens == run.ref_tokens
+    assert max(row_rel_err(a, b) for a, b in zip(run.logits, run.ref_logits)) < LOGITS_RTOL
+    assert row_rel_err(run.last_chunk, run.ref_prompt) < LOGITS_RTOL
 
 
 def test_longrope_fixture_is_sensitive(archs, ours, hf, tmp_path: Path) -> None:
@@ -358,8 +324,7 @@ def test_generator_greedy_matches_transformers(name: str, archs, ours, hf) -> No
     prompt = prompt_ids(built, 20, seed=15)
     out = Generator(lm.model, lm.tokenizer).generate(
         GenerationRequest(prompt[0].tolist(), 24, SamplerSettings(temperature=0), ban_eos=True))
-    _, _, ref_t, _ = greedy_both(lm, hf(name), prompt, 24)
-    assert out.token_ids == ref_t
+    assert out.token_ids == greedy_both(lm, hf(name), prompt, 24).ref_tokens
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 from kobold_backend.engine.loader import LoadedModel, load_model
 from kobold_backend.engine.moe import ExpertStack, RoutedExperts
 from kobold_backend.ops.gptq_weight import GPTQWeight
-from tests.fixtures.hf_oracle import by_name, hf_load, hf_step, prompt_ids, row_rel_err
+from tests.fixtures.hf_oracle import by_name, greedy_both, hf_load, hf_step, prompt_ids, row_rel_err
 from tests.fixtures.moe_gemma_checkpoints import SPECS, ArchFactory, BuiltArch
 
 ALL = [s.name for s in SPECS]
@@ -62,30 +62,14 @@ def test_logits_match_transformers(name: str, archs, ours, hf, record_property) 
 @pytest.mark.parametrize("name", ALL)
 def test_greedy_matches_transformers(name: str, archs, ours, hf, record_property) -> None:
     """A 16-token prompt then 32 greedy tokens through each side's KV cache (Gemma: 6 windows of 8)."""
-    built, lm, ref_model = archs.get(name), ours(name), hf(name)
-    prompt = prompt_ids(built, 16, seed=2)
-    cache = lm.model.new_cache()
-    logits = lm.model.forward(prompt, cache)
-    ours_t: List[int] = []
-    ours_l = []
-    for _ in range(GREEDY_TOKENS):
-        ours_l.append(logits[0, -1])
-        ours_t.append(int(logits[0, -1].argmax()))
-        logits = lm.model.forward(torch.tensor([[ours_t[-1]]]), cache)
-    ref_logits, past = hf_step(ref_model, prompt, None)
-    ref_t: List[int] = []
-    gaps, errs = [], []
-    for step in range(GREEDY_TOKENS):
-        last = ref_logits[0, -1]
-        top2 = last.topk(2).values
-        gaps.append(float(top2[0] - top2[1]))
-        errs.append(row_rel_err(ours_l[step], last))
-        ref_t.append(int(last.argmax()))
-        ref_logits, past = hf_step(ref_model, torch.tensor([[ref_t[-1]]]), past)
+    run = greedy_both(ours(name), hf(name), prompt_ids(archs.get(name), 16, seed=2), GREEDY_TOKENS)
+    gaps = [float(v.topk(2).values[0] - v.topk(2).values[1]) for v in run.ref_logits]
+    errs = [row_rel_err(a, b) for a, b in zip(run.logits, run.ref_logits)]
     assert min(gaps) > 1e-3, f"fixture {name} has a near-tie on its greedy path (gap {min(gaps):.2e})"
-    assert len(set(ref_t)) > 3, f"fixture {name} decodes a loop of {set(ref_t)}; it would prove little"
+    loop = set(run.ref_tokens)
+    assert len(loop) > 3, f"fixture {name} decodes a loop of {loop}; it would prove little"
     record_property("max_step_rel_err", max(errs))
-    assert ours_t == ref_t
+    assert run.tokens == run.ref_tokens
     assert max(errs) < LOGITS_RTOL, f"{name}: decode-step logits differ by {max(errs):.3e}"
 
 
@@ -125,22 +109,10 @@ def test_graph_step_matches_forward(name: str, archs, ours) -> None:
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "gemma3_gptq"])
 def test_gemma_long_prompt_in_chunks_then_decode(name: str, archs, ours, hf) -> None:
     """A 30-token prompt (almost 4 windows) prefilled in uneven chunks, then 32 greedy tokens: ours == transformers."""
-    built, lm, ref_model = archs.get(name), ours(name), hf(name)
-    prompt = prompt_ids(built, 30, seed=11)
-    cache = lm.model.new_cache()
-    for chunk in (prompt[:, :3], prompt[:, 3:14], prompt[:, 14:]):
-        logits = lm.model.forward(chunk, cache, last_only=False)
-    ref_logits, past = hf_step(ref_model, prompt, None)
-    assert row_rel_err(logits, ref_logits[:, 14:]) < LOGITS_RTOL
-    tokens, ref_tokens, errs = [], [], []
-    for _ in range(32):
-        errs.append(row_rel_err(logits[0, -1], ref_logits[0, -1]))
-        tokens.append(int(logits[0, -1].argmax()))
-        ref_tokens.append(int(ref_logits[0, -1].argmax()))
-        logits = lm.model.forward(torch.tensor([[tokens[-1]]]), cache)
-        ref_logits, past = hf_step(ref_model, torch.tensor([[ref_tokens[-1]]]), past)
-    assert tokens == ref_tokens
-    assert max(errs) < LOGITS_RTOL
+    run = greedy_both(ours(name), hf(name), prompt_ids(archs.get(name), 30, seed=11), 32, cuts=(3, 14))
+    assert row_rel_err(run.last_chunk, run.ref_prompt[:, 14:]) < LOGITS_RTOL
+    assert run.tokens == run.ref_tokens
+    assert max(row_rel_err(a, b) for a, b in zip(run.logits, run.ref_logits)) < LOGITS_RTOL
 
 
 def _without(name: str, label: str, archs: ArchFactory, edit: Callable[[Dict[str, Any]], None]) -> torch.nn.Module:
@@ -364,16 +336,11 @@ def test_generator_greedy_matches_transformers(name: str, archs, ours, hf) -> No
     from kobold_backend.engine.generator import GenerationRequest, Generator
     from kobold_backend.engine.sampling import SamplerSettings
 
-    built, lm, ref_model = archs.get(name), ours(name), hf(name)
+    built, lm = archs.get(name), ours(name)
     prompt = prompt_ids(built, 20, seed=15)
     out = Generator(lm.model, lm.tokenizer).generate(
         GenerationRequest(prompt[0].tolist(), 24, SamplerSettings(temperature=0), ban_eos=True))
-    ref_logits, past = hf_step(ref_model, prompt, None)
-    ref_t: List[int] = []
-    for _ in range(24):
-        ref_t.append(int(ref_logits[0, -1].argmax()))
-        ref_logits, past = hf_step(ref_model, torch.tensor([[ref_t[-1]]]), past)
-    assert out.token_ids == ref_t
+    assert out.token_ids == greedy_both(lm, hf(name), prompt, 24).ref_tokens
 
 
 # ---------------------------------------------------------------------------------------------------------------
