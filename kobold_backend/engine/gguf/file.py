@@ -61,9 +61,8 @@ class GGUFFile:
 
     def raw(self, name: str) -> np.ndarray:
         """The stored data: [rows, row_bytes] uint8 for every type (a view of the memory map)."""
-        data = self._tensors[name].data
-        rows = int(np.prod(self.shape(name)[:-1])) if len(self.shape(name)) > 1 else 1
-        return data.view(np.uint8).reshape(rows, -1)
+        rows = int(np.prod(self.shape(name)[:-1]))  # 1 for a 1-D tensor (the product of no dimensions)
+        return self._tensors[name].data.view(np.uint8).reshape(rows, -1)
 
 
 def _field_value(field: Any) -> Any:
