@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from kobold_backend.engine.config import ModelConfig
-from kobold_backend.engine.gguf.config import hf_config
+from kobold_backend.engine.gguf.config import architecture, hf_config
 from kobold_backend.engine.gguf.file import GGUFFile
 from kobold_backend.engine.gguf.tokenizer_files import tokenizer_files
 from kobold_backend.engine.gguf.weights import GGUFWeights
@@ -17,11 +17,13 @@ from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
 def open_gguf(path: Path, with_tokenizer: bool = True) -> Tuple[ModelConfig, Optional[Tokenizer], GGUFWeights]:
     """Read a GGUF file's metadata (tensor data stays memory-mapped until the loader asks for it)."""
     gguf = GGUFFile(path)
-    config = ModelConfig.from_dict(hf_config(gguf.metadata, gguf.names(), path.name))
+    raw = hf_config(gguf.metadata, gguf.names(), path.name, gguf.floats)
+    config = ModelConfig.from_dict(raw)
     tokenizer = None
     if with_tokenizer:
         with tempfile.TemporaryDirectory(prefix="kobold-gguf-tokenizer-") as tmp:
             for name, data in tokenizer_files(gguf.metadata, path.name).items():
                 (Path(tmp) / name).write_bytes(data)
             tokenizer = load_tokenizer(tmp, config.bos_token_id, config.eos_token_ids)
-    return config, tokenizer, GGUFWeights(gguf, config.num_heads, config.num_kv_heads)
+    arch = architecture(gguf.architecture, path.name, int(raw.get("num_local_experts") or 0))
+    return config, tokenizer, GGUFWeights(gguf, arch, config.num_heads, config.num_kv_heads)
