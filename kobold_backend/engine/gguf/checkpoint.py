@@ -1,4 +1,5 @@
-"""open_gguf(path) -> the config, tokenizer and weight reader of a GGUF model, as a model folder would give them."""
+"""open_gguf(path) -> the config, tokenizer and weight reader of a GGUF model, as a model folder would give them;
+gguf_config(path) -> its config alone (for load planning and folder checks)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,24 @@ from kobold_backend.engine.gguf.file import GGUFFile
 from kobold_backend.engine.gguf.tokenizer_files import tokenizer_files
 from kobold_backend.engine.gguf.weights import GGUFWeights
 from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
+
+
+def gguf_config(path: Path) -> ModelConfig:
+    """The ModelConfig of a GGUF file alone (metadata and the small RoPE tables; the file is closed after)."""
+    gguf = GGUFFile(path)
+    try:
+        return ModelConfig.from_dict(hf_config(gguf.metadata, gguf.names(), path.name, gguf.floats))
+    finally:
+        gguf.close()
+
+
+def is_gguf(path: Path) -> bool:
+    """A regular file named *.gguf that starts with GGUF's magic bytes."""
+    try:
+        with open(path, "rb") as fh:
+            return path.suffix == ".gguf" and path.is_file() and fh.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def open_gguf(path: Path, with_tokenizer: bool = True) -> Tuple[ModelConfig, Optional[Tokenizer], GGUFWeights]:
