@@ -83,3 +83,21 @@ def test_united_folder_check_accepts_gguf_files(gguf_file: Path, tmp_path: Path)
     backend.settings_dir = tmp_path
     assert backend.is_valid("model", str(gguf_file), "Custom")
     assert not backend.is_valid("fake", str(fake), "Custom")
+
+
+def test_model_routes_name_the_gguf_format(models: Path) -> None:
+    """/api/v1/model keeps KoboldAI's "result" and adds the format and bits per weight; /ui/status (the page's
+    status line) carries the same."""
+    app = create_app(ServerConfig(models_dir=models), make_holder(build_checkpoint(
+        CheckpointSpec("gguf_dir_fmt", seed=43, dtype="float32"), models.parent / "start").path))
+    try:
+        c = app.test_client()
+        assert c.put("/api/v1/model", json={"model": "tiny-Q8_0.gguf"}).get_json() == {}
+        body = c.get("/api/v1/model").get_json()
+        # Q8_0 is 34 bytes per 32 weights: 8.5 bits per weight
+        assert body == {"result": "kobold_backend/tiny-Q8_0.gguf", "architecture": "LlamaForCausalLM",
+                        "format": "GGUF Q8_0", "bits_per_weight": 8.5}
+        status = c.get("/ui/status").get_json()
+        assert status["weight_format"] == {"format": "GGUF Q8_0", "bits_per_weight": 8.5}
+    finally:
+        app.extensions["kobold_backend"].close()
