@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kobold_backend.doctor import model_line
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.host.backend import check_model_folder, make_model_backend, resolve_model_path
 from kobold_backend.server import ServerConfig, create_app
@@ -101,3 +102,18 @@ def test_model_routes_name_the_gguf_format(models: Path) -> None:
         assert status["weight_format"] == {"format": "GGUF Q8_0", "bits_per_weight": 8.5}
     finally:
         app.extensions["kobold_backend"].close()
+
+
+def test_doctor_names_the_stored_format(gguf_file: Path, tmp_path: Path) -> None:
+    """`kobold-backend doctor --model` reads headers only; for GGUF the figure is the one the loaded model reports."""
+    from kobold_backend.cli import main
+    from kobold_backend.engine.loader import load_model
+
+    loaded = load_model(gguf_file, device="cpu").weight_format
+    line = model_line(str(gguf_file))
+    assert line == f"model: model.gguf: LlamaForCausalLM, {loaded} as stored"
+    assert str(loaded) == "GGUF Q8_0, 8.50 bpw"
+    dense = build_checkpoint(CheckpointSpec("gguf_dir_dense", seed=44, dtype="bfloat16"), tmp_path).path
+    assert model_line(str(dense)).endswith("LlamaForCausalLM, bfloat16, 16.00 bpw as stored")
+    assert "cannot be read" in model_line(str(tmp_path / "absent.gguf"))
+    assert main(["doctor", "--model", str(gguf_file)]) == 0
