@@ -18,8 +18,10 @@ import pytest
 import sentencepiece as spm
 import torch
 
+from kobold_backend.engine.gguf.file import GGUFFile
 from kobold_backend.engine.loader import LoadedModel, load_model
 from kobold_backend.engine.moe import RoutedExperts
+from kobold_backend.errors import ModelFormatError
 from kobold_backend.ops.ggml import GGMLWeight
 from tests.fixtures import moe_gemma_checkpoints as moe_gemma
 from tests.fixtures.arch_checkpoints import ARCH_BY_NAME, build_arch_checkpoint
@@ -178,3 +180,41 @@ def test_gguf_sentencepiece_ids_match_source(name: str, written, loaded) -> None
     for text in ["Hello world", "digits 1234567 and emoji 🙂", "Ünïcödé — 日本語", "line\nbreaks\n\n  spaces"]:
         assert tok.encode(text) == sp.encode(text), text
         assert tok.decode(sp.encode(text)) == sp.decode(sp.encode(text))
+
+
+def test_gguf_per_expert_tensors(written, tmp_path: Path) -> None:
+    """Files from before stacked experts (`blk.N.ffn_gate.E.weight`) load to the same model."""
+    w = written("mixtral")
+    write_gguf(w.built.path, tmp_path, PLAN, split_experts=True)
+    names = GGUFFile(tmp_path / "model.gguf").names()
+    assert "blk.0.ffn_gate.3.weight" in names and not any("_exps" in n for n in names)
+    lm = load_model(tmp_path / "model.gguf", device="cpu", max_seq_len=96)
+    assert lm.model.layers[0].mlp.gate_up.ggml_type == "Q4_1"
+    ids = prompt_ids(w.built, 20, seed=3)
+    with torch.no_grad():
+        ref = hf_load(w.oracle)(ids).logits
+    assert row_rel_err(lm.model.forward(ids, lm.model.new_cache(), last_only=False), ref) < LOGITS_RTOL
+
+
+def test_gguf_experts_gathered_path_equals_grouped(loaded) -> None:
+    """The decode path (experts gathered by device index, run per (token, slot)) on GGML stacks gives what the
+    grouped path gives; it runs on CUDA in serving, here on CPU tensors directly."""
+    mlp = loaded("qwen3_moe").model.layers[0].mlp
+    rows = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    weights, experts = mlp.route(rows)
+    grouped = mlp._grouped(rows, weights, experts)
+    gathered = mlp._gathered(rows, weights, experts)
+    assert torch.allclose(gathered, grouped, rtol=1e-5, atol=1e-5)
+
+
+def test_gguf_unknown_architecture_is_one_sentence(written, tmp_path: Path) -> None:
+    path = tmp_path / "other.gguf"
+    raw = bytearray(written("phi3").gguf.read_bytes())
+    key = b"general.architecture"
+    at = raw.index(key) + len(key) + 4 + 8  # the value: type (4 bytes), string length (8), then "phi3"
+    assert raw[at:at + 4] == b"phi3"
+    raw[at:at + 4] = b"phi9"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ModelFormatError, match=r"other\.gguf: GGUF architecture 'phi9' is not supported yet "
+                                               r"\(supported: llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3\)"):
+        load_model(path, device="cpu")
