@@ -239,3 +239,27 @@ def test_gpu_gguf_family_matches_cpu(name: str, written, loaded) -> None:
         ref = cpu.model.forward(token, cpu_cache)
         ours = gpu.model.forward(token.cuda(), gpu_cache).float().cpu()
         assert row_rel_err(ours, ref) < 1e-2
+
+
+def _meta(arch: str, layers: int, **extra: Any) -> Dict[str, Any]:
+    base = {"general.architecture": arch, f"{arch}.embedding_length": 4608, f"{arch}.attention.head_count": 32,
+            f"{arch}.attention.head_count_kv": 16, f"{arch}.attention.key_length": 128,
+            f"{arch}.feed_forward_length": 36864, f"{arch}.block_count": layers,
+            "tokenizer.ggml.tokens": ["a"] * 8}
+    base.update({f"{arch}.{k}": v for k, v in extra.items()})
+    return base
+
+
+def test_gguf_gemma_rules_llama_cpp_fixes_in_code() -> None:
+    """What llama.cpp decides from the layer count or the absence of a key, restated: the 27B models scale q·k by
+    (hidden / heads) ** -0.5, the others by head_dim ** -0.5; Gemma 3 without a window is global everywhere."""
+    from kobold_backend.engine.gguf.config import hf_config
+
+    g2_27b = hf_config(_meta("gemma2", 46, **{"attention.sliding_window": 4096}), [], "x.gguf")
+    assert g2_27b["query_pre_attn_scalar"] == 4608 / 32 == 144
+    g2_9b = hf_config(_meta("gemma2", 42, **{"attention.sliding_window": 4096}), [], "x.gguf")
+    assert g2_9b["query_pre_attn_scalar"] == 128
+    g3_27b = hf_config(_meta("gemma3", 62, **{"attention.sliding_window": 1024}), [], "x.gguf")
+    assert g3_27b["query_pre_attn_scalar"] == 144 and g3_27b["sliding_window_pattern"] == 6
+    g3_global = hf_config(_meta("gemma3", 26), [], "x.gguf")
+    assert g3_global["layer_types"] == ["full_attention"] * 26 and g3_global["sliding_window"] is None

@@ -5,8 +5,9 @@ engine reads from GGUF is one row of `ARCHITECTURES`: its Hugging Face `model_ty
 permuted the rows of Q and K for its interleaved RoPE (undone at load, see names.py) and what it added to the norm
 weights (Gemma's converter stores `1 + weight`). What llama.cpp fixes in code rather than in the file is restated
 here as llama.cpp's loader assumes it: Gemma 2 alternates local and global layers (layer 0 local), Gemma 3 has 5
-local layers per global one with local RoPE base 10000 and no scaling there, and both scale q·k by head_dim ** -0.5
-except the 27B models (46 / 62 layers), which use (hidden / heads) ** -0.5. A `llama` file with experts is Mixtral.
+local layers per global one (none without `attention.sliding_window`) with local RoPE base 10000 and no scaling
+there, and both scale q·k by head_dim ** -0.5 except the 27B models (46 / 62 layers), which use
+(hidden / heads) ** -0.5. A `llama` file with experts is Mixtral.
 
 RoPE frequency tables stored as tensors are read as per-frequency divisors: `rope_freqs.weight` (Llama 3.1's
 frequency-dependent scaling, precomputed by the converter) and Phi-3's `rope_factors_short` / `rope_factors_long`
@@ -154,14 +155,18 @@ def _gemma(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
     config["query_pre_attn_scalar"] = (float(scale) ** -2 if scale else
                                        config["hidden_size"] / heads if big else head_dim)
     config["hidden_activation"] = "gelu_pytorch_tanh"
-    config["sliding_window"] = int(key("attention.sliding_window") or 4096)
+    window = int(key("attention.sliding_window") or 0)
+    config["final_logit_softcapping"] = key("final_logit_softcapping") or None  # 0: off
     if arch == "gemma2":
-        config["attn_logit_softcapping"] = key("attn_logit_softcapping")
-        config["final_logit_softcapping"] = key("final_logit_softcapping")
+        config["sliding_window"] = window or 4096
+        config["attn_logit_softcapping"] = key("attn_logit_softcapping") or None
         return
-    config["rope_local_base_freq"] = 10000.0
+    config["rope_local_base_freq"] = float(key("rope.freq_base_swa") or 10000.0)
     pattern = key("attention.sliding_window_pattern")
-    if isinstance(pattern, list):  # per layer: true where the layer is local
+    config["sliding_window"] = window or None
+    if not window:  # llama.cpp: a Gemma 3 file without a window attends globally in every layer
+        config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    elif isinstance(pattern, list):  # per layer: true where the layer is local
         config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
     else:
         config["sliding_window_pattern"] = int(pattern or 6)
