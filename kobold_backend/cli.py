@@ -123,7 +123,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def run_doctor(args: argparse.Namespace) -> int:
     from kobold_backend.doctor import doctor_report
 
-    sys.stdout.write(doctor_report() + "\n")
+    sys.stdout.write(doctor_report(args.model) + "\n")
     return 0
 
 
@@ -131,6 +131,8 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="print Python, torch, CUDA, GPUs and which kernel path is active and why",
                        description="Print Python, torch, CUDA, the GPUs, where the compiled kernels come from and "
                                    "which kernel path each device uses, and why.")
+    p.add_argument("--model", default=None, help="also name this model's architecture, weight format and bits "
+                                                 "per weight (a folder or a .gguf file; only headers are read)")
     p.set_defaults(func=run_doctor)
 
 

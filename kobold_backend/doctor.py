@@ -48,8 +48,26 @@ def _wheel_lines() -> List[str]:
         return ["Prebuilt wheel check failed: " + " ".join(str(exc).split())]
 
 
-def doctor_report() -> str:
-    """A multi-line report: Python, torch, CUDA runtime and driver, GPUs, and the active kernel paths."""
+def model_line(path: str) -> str:
+    """`model: <name>: <architecture>, <format>, <bpw> bpw` from the model's headers (or why it cannot run)."""
+    from pathlib import Path
+
+    from kobold_backend.engine.config import ModelConfig
+    from kobold_backend.engine.stored_format import stored_format
+    from kobold_backend.errors import ModelFormatError
+
+    model = Path(path)
+    try:
+        config = ModelConfig.from_dir(model)
+        fmt = stored_format(model)
+    except (ModelFormatError, OSError, ValueError) as exc:
+        return f"model: {model.name}: cannot be read ({exc})"
+    return f"model: {model.name}: {config.architecture}, {fmt} as stored"
+
+
+def doctor_report(model: Optional[str] = None) -> str:
+    """A multi-line report: Python, torch, CUDA runtime and driver, GPUs, and the active kernel paths (and, with
+    `model`, the model's architecture and weight format)."""
     lines = [
         f"Python {platform.python_version()} ({sys.executable}) on {platform.platform()}",
         f"torch {torch.__version__} (CUDA runtime {torch.version.cuda or 'none'})",
@@ -80,4 +98,6 @@ def doctor_report() -> str:
         if fp:
             details = ", ".join(f"{k}={v}" for k, v in sorted(fp.items()) if k != "kind")
             lines.append(f"  fingerprint: {details}")
+    if model is not None:
+        lines.append(model_line(model))
     return "\n".join(lines)

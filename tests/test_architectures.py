@@ -308,7 +308,8 @@ def test_server_names_the_architecture(archs) -> None:
     app = make_app(archs.get("phi3").path)
     try:
         c = app.test_client()
-        assert c.get("/api/v1/model").get_json() == {"result": "kobold_backend/phi3", "architecture": "Phi3ForCausalLM"}
+        assert c.get("/api/v1/model").get_json() == {"result": "kobold_backend/phi3", "architecture": "Phi3ForCausalLM",
+                                                     "format": "float32", "bits_per_weight": 32.0}
         assert c.get("/ui/status").get_json()["architecture"] == "Phi3ForCausalLM"
     finally:
         app.extensions["kobold_backend"].close()

@@ -325,7 +325,8 @@ def test_server_names_the_architecture(name: str, architecture: str, archs) -> N
     app = make_app(archs.get(name).path)
     try:
         c = app.test_client()
-        assert c.get("/api/v1/model").get_json() == {"result": f"kobold_backend/{name}", "architecture": architecture}
+        assert c.get("/api/v1/model").get_json() == {"result": f"kobold_backend/{name}", "architecture": architecture,
+                                                     "format": "float32", "bits_per_weight": 32.0}
     finally:
         app.extensions["kobold_backend"].close()
 

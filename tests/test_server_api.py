@@ -82,7 +82,8 @@ def sse_events(raw: bytes) -> List[Dict[str, Any]]:
 @pytest.mark.parametrize("prefix", ["/api/v1", "/api/latest"])
 def test_v1_info_routes(client: Any, prefix: str) -> None:
     assert client.get(f"{prefix}/model").get_json() == {"result": f"kobold_backend/{CHECKPOINT}",
-                                                        "architecture": "LlamaForCausalLM"}
+                                                        "architecture": "LlamaForCausalLM",
+                                                        "format": "float32", "bits_per_weight": 32.0}
     assert client.get(f"{prefix}/info/version").get_json() == {"result": "1.2.5"}
     assert client.get(f"{prefix}/info/version/latest").get_json() == {"result": "1.2.5"}
     assert client.get(f"{prefix}/info/version/list").get_json() == {"results": ["1.2.5"]}
@@ -479,7 +480,8 @@ def test_put_model_confined_to_models_dir(models_app: Any) -> None:
     app, models, root = models_app
     c = app.test_client()
     assert c.put("/api/v1/model", json={"model": "tiny"}).get_json() == {}
-    assert c.get("/api/v1/model").get_json() == {"result": "kobold_backend/tiny", "architecture": "LlamaForCausalLM"}
+    assert c.get("/api/v1/model").get_json() == {"result": "kobold_backend/tiny", "architecture": "LlamaForCausalLM",
+                                                 "format": "float32", "bits_per_weight": 32.0}
     for name in ("../outside", str(root / "outside"), "/etc", ".", "tiny/../../outside"):
         resp = c.put("/api/v1/model", json={"model": name})
         assert resp.status_code == 403, name
@@ -487,7 +489,8 @@ def test_put_model_confined_to_models_dir(models_app: Any) -> None:
     missing = c.put("/api/v1/model", json={"model": "absent"})
     assert missing.status_code == 404 and missing.get_json()["detail"]["type"] == "key_error"
     assert c.put("/api/v1/model", json={}).status_code == 422
-    assert c.get("/api/v1/model").get_json() == {"result": "kobold_backend/tiny", "architecture": "LlamaForCausalLM"}
+    assert c.get("/api/v1/model").get_json() == {"result": "kobold_backend/tiny", "architecture": "LlamaForCausalLM",
+                                                 "format": "float32", "bits_per_weight": 32.0}
     assert c.put("/api/v1/model", json={"model": "ReadOnly"}).get_json() == {}
     assert c.get("/api/v1/model").get_json() == {"result": "ReadOnly"}
 

@@ -74,7 +74,8 @@ def test_serve_with_model(served: Any) -> None:
     assert url == f"http://127.0.0.1:{port}"
     auth = {"Authorization": "Bearer abc"}
     assert requests.get(url + "/api/v1/model", headers=auth, timeout=10).json() == {
-        "result": "kobold_backend/dense_fp32", "architecture": "LlamaForCausalLM"}
+        "result": "kobold_backend/dense_fp32", "architecture": "LlamaForCausalLM", "format": "float32",
+        "bits_per_weight": 32.0}
     assert requests.get(url + "/api/extra/true_max_context_length", headers=auth, timeout=10).json() == {"value": 96}
     denied = requests.post(url + "/api/v1/generate", json={"prompt": "Hi", "max_length": 2}, timeout=10)
     assert denied.status_code == 401

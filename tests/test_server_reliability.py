@@ -90,7 +90,8 @@ def test_model_names_with_nul_or_invalid_unicode_are_422(models_app: Any) -> Non
     # Invalid UTF-8 in a query string is decoded with replacement characters: simply no such folder.
     assert c.get("/ui/parameters?model=%ED%A0%80").status_code == 404
     assert c.get("/api/v1/model").get_json() == {"result": "kobold_backend/dense_fp32",
-                                                 "architecture": "LlamaForCausalLM"}
+                                                 "architecture": "LlamaForCausalLM", "format": "float32",
+                                                 "bits_per_weight": 32.0}
 
 
 def test_model_management_needs_models_dir(ckpt: Any) -> None:
@@ -105,7 +106,8 @@ def test_model_management_needs_models_dir(ckpt: Any) -> None:
             assert resp.status_code == 501, (path, resp.get_data(as_text=True))
             assert resp.get_json()["detail"]["type"] == "not_implemented"
         assert c.get("/api/v1/model").get_json() == {"result": "kobold_backend/" + ckpt.path.name,
-                                                     "architecture": "LlamaForCausalLM"}
+                                                     "architecture": "LlamaForCausalLM", "format": "float32",
+                                                     "bits_per_weight": 32.0}
         assert c.post("/api/v1/generate", json={"prompt": "a", "max_length": 2}).status_code == 200
     finally:
         app.extensions["kobold_backend"].close()
@@ -174,7 +176,8 @@ def test_a_failed_load_keeps_the_previous_model(models_app: Any, ckpt: Any) -> N
     resp = c.put("/api/v1/model", json={"model": "broken"})
     assert resp.status_code == 422 and resp.get_json()["detail"]["type"] == "load_error"
     assert c.get("/api/v1/model").get_json() == {"result": "kobold_backend/" + ckpt.path.name,
-                                                     "architecture": "LlamaForCausalLM"}
+                                                 "architecture": "LlamaForCausalLM", "format": "float32",
+                                                 "bits_per_weight": 32.0}
     assert c.post("/api/v1/generate", json={"prompt": "a", "max_length": 2}).status_code == 200
 
 

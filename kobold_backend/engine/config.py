@@ -95,7 +95,12 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
+        """The config of a model folder, or of a .gguf file (from its metadata; no tensor data is read)."""
         folder = Path(path)
+        if folder.suffix == ".gguf" and folder.is_file():
+            from kobold_backend.engine.gguf.checkpoint import gguf_config
+
+            return gguf_config(folder)
         if not folder.is_dir():
             raise ModelFormatError(f"Model folder {folder} does not exist or is not a folder.")
         cfg_path = folder / "config.json"

@@ -1,7 +1,8 @@
 """Routed experts (Mixtral, Qwen3-MoE): a softmax router picks the top-k experts of each token and only those run.
 
-Every projection of the experts is stacked on a leading expert axis (`ExpertStack`), dense or GPTQ, so an expert is
-a view and a set of experts can be gathered with device-side indices. Two execution paths, same math:
+Every projection of the experts is stacked on a leading expert axis (`ExpertStack`), dense, GPTQ or a GGML block
+format (GGUF's stacked `ffn_*_exps` tensors, rows kept as stored), so an expert is a view and a set of experts can
+be gathered with device-side indices. Two execution paths, same math:
 
 - grouped (prefill, and every CPU step): the chosen (token, expert) pairs are sorted by expert and each expert runs
   once on its rows; only experts that received a token are read;
@@ -23,9 +24,10 @@ import torch
 
 from kobold_backend import ops
 from kobold_backend.engine.fuse import concat_outputs
+from kobold_backend.ops.ggml import GGMLWeight
 from kobold_backend.ops.gptq_weight import GPTQWeight
 
-Weight = Union[torch.Tensor, GPTQWeight]
+Weight = Union[torch.Tensor, GPTQWeight, GGMLWeight]
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # At most this many (token, expert) pairs take the gathered path on CUDA; more rows are prefill-sized and grouped.
@@ -35,13 +37,16 @@ GATHER_PAIRS = 16
 def _project(x: torch.Tensor, w: Weight) -> torch.Tensor:
     if isinstance(w, GPTQWeight):
         return ops.gptq_matmul(x, w)
+    if isinstance(w, GGMLWeight):
+        return ops.ggml_matmul(x, w)
     return ops.linear(x, w)
 
 
 @dataclass
 class ExpertStack:
     """One projection of E experts: dense `weight` [E, N, K], or GPTQ `qweight` [E, K/8, N], `scales` and `zeros`
-    [E, G, N], `perm` [E, K] or None (the layout of engine/gptq.py with an expert axis in front)."""
+    [E, G, N], `perm` [E, K] or None (the layout of engine/gptq.py with an expert axis in front), or GGML blocks
+    `blocks` uint8 [E, N, row_bytes] of type `ggml_type`."""
 
     in_features: int
     out_features: int
@@ -51,6 +56,8 @@ class ExpertStack:
     zeros: Optional[torch.Tensor] = None
     perm: Optional[torch.Tensor] = None
     group_size: int = 0
+    blocks: Optional[torch.Tensor] = None
+    ggml_type: str = ""
 
     @classmethod
     def stack(cls, weights: Sequence[Weight]) -> ExpertStack:
@@ -60,6 +67,12 @@ class ExpertStack:
             if not all(isinstance(w, torch.Tensor) and w.shape == first.shape for w in weights):
                 raise ValueError("experts of one projection must all be dense and of one shape, or all GPTQ")
             return cls(int(first.shape[1]), int(first.shape[0]), weight=torch.stack(list(weights)))  # type: ignore[arg-type]
+        if isinstance(first, GGMLWeight):
+            if not all(isinstance(w, GGMLWeight) and w.bias is None and w.type_name == first.type_name
+                       and w.data.shape == first.data.shape for w in weights):
+                raise ValueError("GGML experts of one projection must share one block type and shape and have no bias")
+            return cls(first.in_features, first.out_features, blocks=torch.stack([w.data for w in weights]),  # type: ignore[union-attr]
+                       ggml_type=first.type_name)
         gw = [w for w in weights if isinstance(w, GPTQWeight)]
         if len(gw) != len(weights) or any(w.bias is not None for w in gw) or any(
                 (w.qweight.shape, w.scales.shape, w.group_size) != (first.qweight.shape, first.scales.shape,
@@ -75,12 +88,15 @@ class ExpertStack:
 
     @property
     def num_experts(self) -> int:
-        return int((self.weight if self.weight is not None else self.qweight).shape[0])  # type: ignore[union-attr]
+        held = next(t for t in (self.weight, self.qweight, self.blocks) if t is not None)
+        return int(held.shape[0])
 
     def expert(self, e: int) -> Weight:
         """Expert e's weight (views, no copy)."""
         if self.weight is not None:
             return self.weight[e]
+        if self.blocks is not None:
+            return GGMLWeight(self.blocks[e], self.ggml_type, self.in_features, self.out_features)
         assert self.qweight is not None and self.scales is not None and self.zeros is not None
         return GPTQWeight(self.qweight[e], self.scales[e], self.zeros[e], None if self.perm is None else self.perm[e],
                           self.group_size, self.in_features, self.out_features)
@@ -89,10 +105,11 @@ class ExpertStack:
         """The experts named by the device tensor `index` (repeats allowed), copied into a new stack."""
         pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
         return ExpertStack(self.in_features, self.out_features, pick(self.weight), pick(self.qweight),
-                           pick(self.scales), pick(self.zeros), pick(self.perm), self.group_size)
+                           pick(self.scales), pick(self.zeros), pick(self.perm), self.group_size, pick(self.blocks),
+                           self.ggml_type)
 
     def tensors(self) -> Iterator[torch.Tensor]:
-        for t in (self.weight, self.qweight, self.scales, self.zeros, self.perm):
+        for t in (self.weight, self.qweight, self.scales, self.zeros, self.perm, self.blocks):
             if t is not None:
                 yield t
 
@@ -100,7 +117,7 @@ class ExpertStack:
 def stack_expert_mlps(gates: Sequence[Weight], ups: Sequence[Weight],
                       downs: Sequence[Weight]) -> Tuple[ExpertStack, Optional[ExpertStack], ExpertStack]:
     """(gate_up, None, down) with gate and up fused per expert into one [gate; up] projection when every expert
-    fuses (dense, or GPTQ with one act-order permutation for both), else (gate, up, down)."""
+    fuses (dense, GGML of one block type, or GPTQ with one act-order permutation for both), else (gate, up, down)."""
     fused: List[Optional[Weight]] = [concat_outputs([g, u]) for g, u in zip(gates, ups)]
     if all(f is not None for f in fused):
         return ExpertStack.stack(fused), None, ExpertStack.stack(downs)  # type: ignore[arg-type]

@@ -56,7 +56,7 @@ def resolve_model_path(model_name: Optional[str], model_path: Optional[str]) -> 
         candidates.append(Path("models") / model_name.replace("/", "_"))
         candidates.append(Path(model_name))
     for path in candidates:
-        if path.is_dir():
+        if path.is_dir() or path.suffix == ".gguf" and path.is_file():
             return path
     return None
 
@@ -75,12 +75,14 @@ def _safetensors_names(path: Path) -> List[str]:
 
 
 def check_model_folder(path: Path) -> Optional[str]:
-    """Why this folder is not a model this engine can run (None when it is): config.json, tokenizer and
-    safetensors headers only, so United's folder browser stays fast."""
+    """Why this folder (or .gguf file) is not a model this engine can run (None when it is): config.json, tokenizer
+    and safetensors headers only, or a GGUF file's metadata, so United's folder browser stays fast."""
     from kobold_backend.engine.config import ModelConfig
     from kobold_backend.engine.weights import safetensors_files
     from kobold_backend.errors import ModelFormatError
 
+    if path.suffix == ".gguf":
+        return _check_gguf(path)
     try:
         config = ModelConfig.from_dir(path)
         files = safetensors_files(path)
@@ -99,6 +101,26 @@ def check_model_folder(path: Path) -> Optional[str]:
         return f"{path} holds GPTQ tensors but no quantization config"
     if f"{q}.weight" not in names and f"{q}.qweight" not in names:
         return f"{path} has no {q} weights"
+    return None
+
+
+def _check_gguf(path: Path) -> Optional[str]:
+    from kobold_backend.engine.gguf.checkpoint import gguf_config, is_gguf
+    from kobold_backend.engine.gguf.file import GGUFFile
+    from kobold_backend.engine.gguf.tokenizer_files import tokenizer_files
+    from kobold_backend.errors import ModelFormatError
+
+    if not is_gguf(path):
+        return f"{path} is not a GGUF file"
+    try:
+        gguf_config(path)
+        gguf = GGUFFile(path)
+        try:
+            tokenizer_files(gguf.metadata, path.name)
+        finally:
+            gguf.close()
+    except (ModelFormatError, OSError, ValueError) as exc:
+        return str(exc)
     return None
 
 

@@ -40,8 +40,10 @@ def get_model() -> Any:
     active = get_state().holder.active
     if active is None:
         return jsonify({"result": "ReadOnly"})
-    # "result" keeps KoboldAI's "<backend>/<name>" form that clients parse; the architecture is an extra key
-    return jsonify({"result": f"kobold_backend/{active.name}", "architecture": active.architecture})
+    # "result" keeps KoboldAI's "<backend>/<name>" form that clients parse; the architecture and the weight format
+    # ("format", "bits_per_weight") are extra keys
+    return jsonify(dict({"result": f"kobold_backend/{active.name}", "architecture": active.architecture},
+                        **(active.weight_format or {})))
 
 
 @bp.put("/model")

@@ -36,6 +36,14 @@ class ActiveModel:
         """The config.json architecture class the model runs as (e.g. Qwen2ForCausalLM)."""
         return getattr(getattr(self.lm, "config", None), "architecture", None)
 
+    @property
+    def weight_format(self) -> Optional[Dict[str, Any]]:
+        """How the decoder weights are stored: {"format": "GGUF Q4_K+Q6_K", "bits_per_weight": 4.9} (None: unknown)."""
+        fmt = getattr(self.lm, "weight_format", None)
+        if fmt is None:
+            return None
+        return {"format": f"{fmt.name} {fmt.detail}".strip(), "bits_per_weight": round(fmt.bits_per_weight, 2)}
+
 
 class EngineHolder:
     """Owns the LoadedModel and its Generator. Loads and unloads are called from the work queue's worker

@@ -1,4 +1,5 @@
-"""Model folders under --models-dir: listing, path confinement, load parameters and load jobs."""
+"""Models under --models-dir (Hugging Face folders and .gguf files): listing, path confinement, load parameters and
+load jobs."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def require_models_dir(config: Any) -> Path:
 
 
 def resolve_model(models_dir: Path, name: object) -> Path:
-    """The real path of a model folder named by a client; it must lie inside models_dir."""
+    """The real path of a model folder or .gguf file named by a client; it must lie inside models_dir."""
     name = check_model_name(name)
     root = os.path.realpath(str(models_dir))
     try:
@@ -47,19 +48,24 @@ def resolve_model(models_dir: Path, name: object) -> Path:
         raise ApiError("The model name is not a valid path.", 422, "bad_input") from None
     if os.path.commonpath([root, candidate]) != root or candidate == root:
         raise ApiError("The model path must name a folder inside the models folder.", 403, "forbidden")
+    if candidate.endswith(".gguf") and os.path.isfile(candidate):
+        return Path(candidate)
     if not os.path.isfile(os.path.join(candidate, "config.json")):
-        raise ApiError(f"No model folder named {name!r} in the models folder.", 404, "key_error")
+        raise ApiError(f"No model folder or .gguf file named {name!r} in the models folder.", 404, "key_error")
     return Path(candidate)
 
 
 def list_models(models_dir: Optional[Path]) -> List[Dict[str, str]]:
-    """Folders holding a config.json, one or two levels below models_dir (`name` or `org/name`)."""
+    """Folders holding a config.json and .gguf files, one or two levels below models_dir (`name` or `org/name`;
+    a .gguf keeps its file name)."""
     if models_dir is None or not Path(models_dir).is_dir():
         return []
     root = Path(models_dir)
+    folders = [c.parent for c in list(root.glob("*/config.json")) + list(root.glob("*/*/config.json"))]
+    files = [f for f in list(root.glob("*.gguf")) + list(root.glob("*/*.gguf")) if f.is_file()]
     found = []
-    for config in sorted(list(root.glob("*/config.json")) + list(root.glob("*/*/config.json"))):
-        rel = config.parent.relative_to(root).as_posix()
+    for path in sorted(folders + files):
+        rel = path.relative_to(root).as_posix()
         found.append({"id": rel, "name": rel})
     return found
 

@@ -78,8 +78,9 @@ def _kobold_paths() -> Dict[str, Any]:
                                        dict(GEN_ERR, **{"200": _json(_ref("GenerationOutput"))}),
                                        _ref("GenerationInput"), ["generate"])},
         f"{v1}/model": {
-            "get": _op("Loaded model name (ReadOnly when none) and its architecture class",
-                       dict(ERR, **{"200": _json(_obj({"result": STR, "architecture": {"type": ["string", "null"]}},
+            "get": _op("Loaded model name (ReadOnly when none), its architecture class and weight format",
+                       dict(ERR, **{"200": _json(_obj({"result": STR, "architecture": {"type": ["string", "null"]},
+                                                       "format": STR, "bits_per_weight": {"type": "number"}},
                                                       ["result"]))}), tags=["model"]),
             "put": _op("Load a model folder from --models-dir (ReadOnly unloads); needs --models-dir",
                        dict(MODEL_ERR, **{"200": _json({"type": "object"})}),

@@ -30,6 +30,7 @@ def status() -> Any:
     return jsonify({
         "model": None if active is None else active.name,
         "architecture": None if active is None else active.architecture,
+        "weight_format": None if active is None else active.weight_format,
         "is_demo": bool(active is not None and active.is_demo),
         "demo_label": demo_label(active.path) if active is not None and active.is_demo else None,
         "max_context": None if active is None else active.max_context,

@@ -1,4 +1,5 @@
-"""open_gguf(path) -> the config, tokenizer and weight reader of a GGUF model, as a model folder would give them."""
+"""open_gguf(path) -> the config, tokenizer and weight reader of a GGUF model, as a model folder would give them;
+gguf_config(path) -> its config alone (for load planning and folder checks)."""
 
 from __future__ import annotations
 
@@ -7,21 +8,41 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from kobold_backend.engine.config import ModelConfig
-from kobold_backend.engine.gguf.config import hf_config
+from kobold_backend.engine.gguf.config import architecture, hf_config
 from kobold_backend.engine.gguf.file import GGUFFile
 from kobold_backend.engine.gguf.tokenizer_files import tokenizer_files
 from kobold_backend.engine.gguf.weights import GGUFWeights
 from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
 
 
+def gguf_config(path: Path) -> ModelConfig:
+    """The ModelConfig of a GGUF file alone (metadata and the small RoPE tables; the file is closed after)."""
+    gguf = GGUFFile(path)
+    try:
+        return ModelConfig.from_dict(hf_config(gguf.metadata, gguf.names(), path.name, gguf.floats))
+    finally:
+        gguf.close()
+
+
+def is_gguf(path: Path) -> bool:
+    """A regular file named *.gguf that starts with GGUF's magic bytes."""
+    try:
+        with open(path, "rb") as fh:
+            return path.suffix == ".gguf" and path.is_file() and fh.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def open_gguf(path: Path, with_tokenizer: bool = True) -> Tuple[ModelConfig, Optional[Tokenizer], GGUFWeights]:
     """Read a GGUF file's metadata (tensor data stays memory-mapped until the loader asks for it)."""
     gguf = GGUFFile(path)
-    config = ModelConfig.from_dict(hf_config(gguf.metadata, gguf.names(), path.name))
+    raw = hf_config(gguf.metadata, gguf.names(), path.name, gguf.floats)
+    config = ModelConfig.from_dict(raw)
     tokenizer = None
     if with_tokenizer:
         with tempfile.TemporaryDirectory(prefix="kobold-gguf-tokenizer-") as tmp:
             for name, data in tokenizer_files(gguf.metadata, path.name).items():
                 (Path(tmp) / name).write_bytes(data)
             tokenizer = load_tokenizer(tmp, config.bos_token_id, config.eos_token_ids)
-    return config, tokenizer, GGUFWeights(gguf, config.num_heads, config.num_kv_heads)
+    arch = architecture(gguf.architecture, path.name, int(raw.get("num_local_experts") or 0))
+    return config, tokenizer, GGUFWeights(gguf, arch, config.num_heads, config.num_kv_heads)

@@ -1,14 +1,24 @@
 """GGUF metadata -> the Hugging Face config dict the file was converted from (what `config.json` would hold).
 
 Keys are llama.cpp's (`{arch}.embedding_length`, `{arch}.attention.head_count`, ...); each architecture this
-engine reads from GGUF is one row of `ARCHITECTURES`: its Hugging Face `model_type` and whether llama.cpp's
-converter permuted the rows of Q and K for its interleaved RoPE (undone at load, see names.py).
+engine reads from GGUF is one row of `ARCHITECTURES`: its Hugging Face `model_type`, whether llama.cpp's converter
+permuted the rows of Q and K for its interleaved RoPE (undone at load, see names.py) and what it added to the norm
+weights (Gemma's converter stores `1 + weight`). What llama.cpp fixes in code rather than in the file is restated
+here as llama.cpp's loader assumes it: Gemma 2 alternates local and global layers (layer 0 local), Gemma 3 has 5
+local layers per global one (none without `attention.sliding_window`) with local RoPE base 10000 and no scaling
+there, and both scale q·k by head_dim ** -0.5 except the 27B models (46 / 62 layers), which use
+(hidden / heads) ** -0.5. A `llama` file with experts is Mixtral.
+
+RoPE frequency tables stored as tensors are read as per-frequency divisors: `rope_freqs.weight` (Llama 3.1's
+frequency-dependent scaling, precomputed by the converter) and Phi-3's `rope_factors_short` / `rope_factors_long`
+(LongRoPE) both become a `longrope` scaling (inverse frequency / factor, short below the original context, long
+above it), which is what llama.cpp's RoPE does with them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from kobold_backend.errors import ModelFormatError
 
@@ -18,27 +28,40 @@ class GGUFArchitecture:
     model_type: str
     hf_architecture: str
     permuted_qk: bool
+    norm_shift: float = 0.0  # added to every norm weight read (Gemma: the converter stored 1 + weight)
 
 
 ARCHITECTURES: Dict[str, GGUFArchitecture] = {
     "llama": GGUFArchitecture("llama", "LlamaForCausalLM", permuted_qk=True),  # also Mistral's files
     "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM", permuted_qk=False),
     "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM", permuted_qk=False),
+    "qwen3moe": GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", permuted_qk=False),
+    "gemma2": GGUFArchitecture("gemma2", "Gemma2ForCausalLM", permuted_qk=False, norm_shift=-1.0),
+    "gemma3": GGUFArchitecture("gemma3_text", "Gemma3ForCausalLM", permuted_qk=False, norm_shift=-1.0),
+    "phi3": GGUFArchitecture("phi3", "Phi3ForCausalLM", permuted_qk=False),
 }
+MIXTRAL = GGUFArchitecture("mixtral", "MixtralForCausalLM", permuted_qk=True)
+# Layer counts of the Gemma 27B models, whose q·k scale llama.cpp takes from hidden / heads.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+Reader = Callable[[str], List[float]]
 
 
-def architecture(arch: str, where: str) -> GGUFArchitecture:
+def architecture(arch: str, where: str, experts: int = 0) -> GGUFArchitecture:
     if arch not in ARCHITECTURES:
         raise ModelFormatError(
             f"{where}: GGUF architecture {arch!r} is not supported yet (supported: {', '.join(ARCHITECTURES)})."
         )
-    return ARCHITECTURES[arch]
+    return MIXTRAL if arch == "llama" and experts > 0 else ARCHITECTURES[arch]
 
 
-def hf_config(meta: Dict[str, Any], tensor_names: List[str], where: str) -> Dict[str, Any]:
-    """The config.json equivalent of a GGUF file's metadata."""
+def hf_config(meta: Dict[str, Any], tensor_names: List[str], where: str,
+              read: Optional[Reader] = None) -> Dict[str, Any]:
+    """The config.json equivalent of a GGUF file's metadata; `read` gives a 1-D float tensor of the file (RoPE
+    factor tables)."""
     arch = str(meta.get("general.architecture"))
-    desc = architecture(arch, where)
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    desc = architecture(arch, where, experts)
 
     def key(name: str, default: Any = None, required: bool = False) -> Any:
         value = meta.get(f"{arch}.{name}", default)
@@ -47,6 +70,11 @@ def hf_config(meta: Dict[str, Any], tensor_names: List[str], where: str) -> Dict
         return value
 
     hidden = int(key("embedding_length", required=True))
+    ffn = key("feed_forward_length")
+    if ffn is None and desc.model_type == "qwen3_moe":  # every layer routed: the expert size stands in
+        ffn = key("expert_feed_forward_length")
+    if ffn is None:
+        raise ModelFormatError(f"{where}: GGUF metadata lacks {arch}.feed_forward_length.")
     heads = int(key("attention.head_count", required=True))
     kv_heads = key("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):
@@ -58,17 +86,12 @@ def hf_config(meta: Dict[str, Any], tensor_names: List[str], where: str) -> Dict
             f"{where}: partial rotary embeddings (rope.dimension_count {rope_dim} of head size {head_dim}) "
             "are not supported."
         )
-    if "rope_freqs.weight" in tensor_names:
-        raise ModelFormatError(
-            f"{where}: the file carries per-frequency RoPE factors (rope_freqs.weight, Llama 3.1-style scaling), "
-            "which GGUF loading does not read yet; use the safetensors release of this model."
-        )
     tokens = meta.get("tokenizer.ggml.tokens") or []
     config: Dict[str, Any] = {
         "model_type": desc.model_type,
         "architectures": [desc.hf_architecture],
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length", required=True)),
+        "intermediate_size": int(ffn),
         "num_hidden_layers": int(key("block_count", required=True)),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
@@ -85,7 +108,98 @@ def hf_config(meta: Dict[str, Any], tensor_names: List[str], where: str) -> Dict
     scaling = _rope_scaling(key, where)
     if scaling is not None:
         config["rope_scaling"] = scaling
+    tables = _rope_tables(key, tensor_names, read, config, where)
+    if tables is not None:
+        config["rope_scaling"] = tables
+    names = set(tensor_names)
+    _FAMILY.get(desc.model_type, lambda *a: None)(config, key, names, arch)
     return config
+
+
+def _rope_tables(key: Any, names: List[str], read: Optional[Reader], config: Dict[str, Any],
+                 where: str) -> Optional[Dict[str, Any]]:
+    """Per-frequency RoPE divisors stored as tensors, as a `longrope` rope_scaling (None: the file has none)."""
+    present = [n for n in ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
+               if n in names]
+    if not present:
+        return None
+    if read is None:
+        raise ModelFormatError(f"{where}: the RoPE factor tables ({', '.join(present)}) cannot be read here.")
+    half = config["head_dim"] // 2
+    tables = {n: [float(x) for x in read(n)] for n in present}
+    for name, values in tables.items():
+        if len(values) != half:
+            raise ModelFormatError(f"{where}: {name} holds {len(values)} factors; head_dim / 2 = {half} expected.")
+    if "rope_freqs.weight" in tables:  # Llama 3.1: one table whatever the length
+        short = long = tables["rope_freqs.weight"]
+        original = config["max_position_embeddings"]
+        attention = 1.0
+    else:
+        short = tables.get("rope_factors_short.weight", tables.get("rope_factors_long.weight"))
+        long = tables.get("rope_factors_long.weight", short)
+        original = int(key("rope.scaling.original_context_length") or config["max_position_embeddings"])
+        config["original_max_position_embeddings"] = original
+        attention = key("rope.scaling.attn_factor")
+    scaling: Dict[str, Any] = {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                               "original_max_position_embeddings": original,
+                               "factor": config["max_position_embeddings"] / original}
+    if attention is not None:
+        scaling["attention_factor"] = float(attention)
+    return scaling
+
+
+def _gemma(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
+    heads, head_dim = config["num_attention_heads"], config["head_dim"]
+    big = config["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+    scale = key("attention.scale")
+    config["query_pre_attn_scalar"] = (float(scale) ** -2 if scale else
+                                       config["hidden_size"] / heads if big else head_dim)
+    config["hidden_activation"] = "gelu_pytorch_tanh"
+    window = int(key("attention.sliding_window") or 0)
+    config["final_logit_softcapping"] = key("final_logit_softcapping") or None  # 0: off
+    if arch == "gemma2":
+        config["sliding_window"] = window or 4096
+        config["attn_logit_softcapping"] = key("attn_logit_softcapping") or None
+        return
+    config["rope_local_base_freq"] = float(key("rope.freq_base_swa") or 10000.0)
+    pattern = key("attention.sliding_window_pattern")
+    config["sliding_window"] = window or None
+    if not window:  # llama.cpp: a Gemma 3 file without a window attends globally in every layer
+        config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    elif isinstance(pattern, list):  # per layer: true where the layer is local
+        config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        config["sliding_window_pattern"] = int(pattern or 6)
+
+
+def _phi3(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
+    window = key("attention.sliding_window")
+    config["sliding_window"] = int(window) if window else None
+    config["original_max_position_embeddings"] = config.get(
+        "original_max_position_embeddings", int(key("rope.scaling.original_context_length")
+                                                or config["max_position_embeddings"]))
+
+
+def _experts(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
+    """Expert counts; for Qwen3-MoE the expert size and the layers that keep a dense MLP (no router tensor)."""
+    count, used = int(key("expert_count")), int(key("expert_used_count") or 0)
+    config["num_experts_per_tok"] = used
+    if config["model_type"] == "mixtral":
+        config["num_local_experts"] = count
+        config["sliding_window"] = None
+        return
+    config["num_experts"] = count
+    config["moe_intermediate_size"] = int(key("expert_feed_forward_length") or config["intermediate_size"])
+    # llama.cpp renormalises the k routing weights of Qwen3-MoE unless the file says otherwise
+    config["norm_topk_prob"] = bool(key("expert_weights_norm", True))
+    config["mlp_only_layers"] = [i for i in range(config["num_hidden_layers"])
+                                 if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    config["decoder_sparse_step"] = 1
+
+
+_FAMILY: Dict[str, Callable[..., None]] = {
+    "gemma2": _gemma, "gemma3_text": _gemma, "phi3": _phi3, "mixtral": _experts, "qwen3_moe": _experts,
+}
 
 
 def _eos_ids(meta: Dict[str, Any]) -> Optional[List[int]]:

@@ -64,6 +64,19 @@ class GGUFFile:
         rows = int(np.prod(self.shape(name)[:-1]))  # 1 for a 1-D tensor (the product of no dimensions)
         return self._tensors[name].data.view(np.uint8).reshape(rows, -1)
 
+    def floats(self, name: str) -> List[float]:
+        """A small float tensor's values (RoPE factor tables), as float32 whatever the stored float type."""
+        if name not in self._tensors:
+            raise ModelFormatError(f"Tensor {name} is missing from {self.path.name}.")
+        kind = self.type_name(name)
+        if kind not in ("F32", "F16", "BF16"):
+            raise ModelFormatError(f"Tensor {name} in {self.path.name} is {kind}; a float type is expected.")
+        raw = self.raw(name).reshape(-1)
+        if kind == "BF16":
+            return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).tolist()
+        return raw.view(np.float32 if kind == "F32" else np.float16).astype(np.float32).tolist()
+
+
 
 def _field_value(field: Any) -> Any:
     from gguf import GGUFValueType

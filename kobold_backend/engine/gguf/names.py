@@ -1,4 +1,11 @@
-"""GGUF tensor names <-> Hugging Face names, and undoing llama.cpp's Q/K row permutation.
+"""GGUF tensor names <-> Hugging Face names, per architecture, and undoing llama.cpp's Q/K row permutation.
+
+llama.cpp names a tensor by its role (`blk.N.attn_q.weight`, `blk.N.ffn_norm.weight`); which Hugging Face tensor a
+role came from depends on the family: `ffn_norm` is Llama's `post_attention_layernorm` but Gemma's
+`pre_feedforward_layernorm` (Gemma's `post_attention_layernorm` is `post_attention_norm`); Phi-3's fused projections
+are `attn_qkv` and `ffn_up` (gate rows first). Routed experts are stacked on a leading axis in one tensor
+(`blk.N.ffn_gate_exps.weight` [E, n, k]); files converted before April 2024 hold one tensor per expert
+(`blk.N.ffn_gate.E.weight`). Either way a Hugging Face expert name maps to (GGUF tensor, expert index or None).
 
 llama.cpp's converter reorders the rows of each Q and K head for its interleaved RoPE: within a head of size D,
 Hugging Face row `j * D/2 + i` (half j, pair i) is stored at row `2 i + j`. This engine rotates halves, so the
@@ -8,7 +15,7 @@ loader moves every row back; rows are whole quantization blocks, so the stored b
 from __future__ import annotations
 
 import re
-from typing import Dict, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -17,7 +24,7 @@ _GLOBAL: Dict[str, str] = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_BLOCK: Dict[str, str] = {
+_ATTENTION: Dict[str, str] = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -25,35 +32,95 @@ _BLOCK: Dict[str, str] = {
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+}
+_DENSE_MLP: Dict[str, str] = {
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_HF_BLOCK = {hf: gg for gg, hf in _BLOCK.items()}
-_HF_GLOBAL = {hf: gg for gg, hf in _GLOBAL.items()}
-_HF_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_GEMMA: Dict[str, str] = dict(_DENSE_MLP, post_attention_norm="post_attention_layernorm",
+                              ffn_norm="pre_feedforward_layernorm", post_ffw_norm="post_feedforward_layernorm")
+_PHI3: Dict[str, str] = {"attn_qkv": "self_attn.qkv_proj", "ffn_norm": "post_attention_layernorm",
+                         "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}
+# Hugging Face model_type -> (block tensors besides attention, router prefix, expert prefix and its gate/up/down)
+_BLOCKS: Dict[str, Dict[str, str]] = {
+    "llama": _DENSE_MLP, "mistral": _DENSE_MLP, "qwen2": _DENSE_MLP, "qwen3": _DENSE_MLP, "qwen3_moe": _DENSE_MLP,
+    "mixtral": {"ffn_norm": "post_attention_layernorm"},
+    "gemma2": _GEMMA, "gemma3_text": _GEMMA, "phi3": _PHI3,
+}
+_EXPERTS: Dict[str, Tuple[str, Tuple[str, str, str]]] = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+_EXPERT_ROLES = ("ffn_gate", "ffn_up", "ffn_down")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_BLK = re.compile(r"blk\.(\d+)\.([a-z_]+)(?:\.(\d+))?\.(weight|bias)$")
 
 
-def gguf_name(hf_name: str) -> Optional[str]:
-    """The GGUF name of a Hugging Face tensor name, or None when GGUF has no such tensor."""
-    m = _HF_NAME.match(hf_name)
-    if m is not None:
-        base = _HF_BLOCK.get(m.group(2))
-        return None if base is None else f"blk.{m.group(1)}.{base}.{m.group(3)}"
-    stem, _, suffix = hf_name.rpartition(".")
-    base = _HF_GLOBAL.get(stem)
-    return None if base is None else f"{base}.{suffix}"
+class TensorNames:
+    """The name map of one Hugging Face model_type (a GGUF file's architecture as engine/gguf/config.py reads it)."""
 
+    def __init__(self, model_type: str) -> None:
+        block = dict(_ATTENTION, **_BLOCKS[model_type])
+        self._experts: Optional[Tuple[str, Tuple[str, str, str]]] = _EXPERTS.get(model_type)
+        if self._experts is not None:
+            block["ffn_gate_inp"] = f"{self._experts[0]}.gate"
+        self._block = block
+        self._hf_block = {hf: gg for gg, hf in block.items()}
+        self._hf_global = {hf: gg for gg, hf in _GLOBAL.items()}
 
-def hf_name(gguf_tensor: str) -> Optional[str]:
-    """The Hugging Face name of a GGUF tensor name, or None for tensors the engine does not read."""
-    parts = gguf_tensor.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK:
-        return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in _GLOBAL:
-        return f"{_GLOBAL[parts[0]]}.{parts[1]}"
-    return None
+    def gguf(self, hf_name: str, present: Iterable[str] = ()) -> Optional[Tuple[str, Optional[int]]]:
+        """(GGUF tensor, expert index or None) holding a Hugging Face tensor, or None when GGUF has no such tensor.
+        An expert resolves to the stacked `*_exps` tensor unless `present` holds the per-expert one instead."""
+        m = _LAYER.match(hf_name)
+        if m is None:
+            stem, _, suffix = hf_name.rpartition(".")
+            base = self._hf_global.get(stem)
+            return None if base is None else (f"{base}.{suffix}", None)
+        layer, stem, suffix = m.groups()
+        if stem in self._hf_block:
+            return f"blk.{layer}.{self._hf_block[stem]}.{suffix}", None
+        expert = self._expert(stem)
+        if expert is None:
+            return None
+        role, index = expert
+        single = f"blk.{layer}.{role}.{index}.{suffix}"
+        if single in present:
+            return single, None
+        return f"blk.{layer}.{role}_exps.{suffix}", index
+
+    def hf(self, gguf_tensor: str, num_experts: int = 0) -> List[str]:
+        """The Hugging Face names a GGUF tensor holds (one per expert for a stacked tensor; none if unread)."""
+        if gguf_tensor.count(".") == 1:
+            stem, _, suffix = gguf_tensor.partition(".")
+            return [f"{_GLOBAL[stem]}.{suffix}"] if stem in _GLOBAL else []
+        m = _BLK.match(gguf_tensor)
+        if m is None:
+            return []
+        layer, role, index, suffix = m.groups()
+        prefix = f"model.layers.{layer}"
+        if index is None and role in self._block:
+            return [f"{prefix}.{self._block[role]}.{suffix}"]
+        if self._experts is None:
+            return []
+        block, names = self._experts
+        if index is not None and role in _EXPERT_ROLES:
+            return [f"{prefix}.{block}.experts.{index}.{names[_EXPERT_ROLES.index(role)]}.{suffix}"]
+        if role.endswith("_exps") and role[:-5] in _EXPERT_ROLES:
+            name = names[_EXPERT_ROLES.index(role[:-5])]
+            return [f"{prefix}.{block}.experts.{e}.{name}.{suffix}" for e in range(num_experts)]
+        return []
+
+    def _expert(self, stem: str) -> Optional[Tuple[str, int]]:
+        if self._experts is None:
+            return None
+        block, names = self._experts
+        parts = stem.split(".")
+        if len(parts) != 4 or f"{parts[0]}" != block or parts[1] != "experts" or not parts[2].isdigit() \
+                or parts[3] not in names:
+            return None
+        return _EXPERT_ROLES[names.index(parts[3])], int(parts[2])
 
 
 def unpermute_rows(rows: torch.Tensor, num_heads: int) -> torch.Tensor:

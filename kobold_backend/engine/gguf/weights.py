@@ -1,8 +1,9 @@
 """Tensors of a GGUF file under their Hugging Face names, with the interface of engine/weights.WeightReader.
 
-Norms, biases and the embedding table are read as float tensors (quantized ones dequantized exactly, in float32);
-linear layers stored in a block format stay in it as `GGMLWeight`s (see ops/ggml.py), only their rows reordered
-where llama.cpp permuted Q and K.
+Norms, biases and the embedding table are read as float tensors (quantized ones dequantized exactly, in float32;
+Gemma's norms given back as the checkpoint held them, the converter's +1 taken off); linear layers stored in a block
+format stay in it as `GGMLWeight`s (see ops/ggml.py), only their rows reordered where llama.cpp permuted Q and K.
+An expert of a stacked `ffn_*_exps` tensor is its slice of rows, read as stored.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from kobold_backend.engine.gguf.config import architecture
+from kobold_backend.engine.gguf.config import GGUFArchitecture
 from kobold_backend.engine.gguf.file import GGUFFile
-from kobold_backend.engine.gguf.names import gguf_name, hf_name, unpermute_rows
+from kobold_backend.engine.gguf.names import TensorNames, unpermute_rows
 from kobold_backend.errors import ModelFormatError
 from kobold_backend.ops.ggml import GGMLWeight, dequantize_rows
 
@@ -24,11 +25,13 @@ _DENSE_TYPES = ("F32", "F16", "BF16")
 class GGUFWeights:
     """Name -> tensor access for one GGUF file; tensors are read on request and never cached."""
 
-    def __init__(self, gguf: GGUFFile, num_heads: int, num_kv_heads: int) -> None:
+    def __init__(self, gguf: GGUFFile, arch: GGUFArchitecture, num_heads: int, num_kv_heads: int) -> None:
         self.gguf = gguf
         self.folder: Path = gguf.path
         self.total_bytes = gguf.path.stat().st_size
-        self._permuted = architecture(gguf.architecture, gguf.path.name).permuted_qk
+        self._arch = arch
+        self._names = TensorNames(arch.model_type)
+        self._present = set(gguf.names())
         self._heads = {"self_attn.q_proj": num_heads, "self_attn.k_proj": num_kv_heads}
 
     def close(self) -> None:
@@ -41,26 +44,34 @@ class GGUFWeights:
         self.close()
 
     def __contains__(self, name: str) -> bool:
-        gname = gguf_name(name)
-        return gname is not None and gname in self.gguf
+        where = self._names.gguf(name, self._present)
+        if where is None or where[0] not in self._present:
+            return False
+        return where[1] is None or where[1] < self.gguf.shape(where[0])[0]
 
     def names(self) -> List[str]:
         """The Hugging Face names of the tensors the engine reads from this file."""
-        return [n for n in (hf_name(g) for g in self.gguf.names()) if n is not None]
+        out: List[str] = []
+        for g in self.gguf.names():
+            experts = self.gguf.shape(g)[0] if "_exps." in g else 0
+            out.extend(self._names.hf(g, experts))
+        return out
 
     def shape(self, name: str) -> Tuple[int, ...]:
-        return self.gguf.shape(self._gguf(name))
+        gname, expert = self._gguf(name)
+        dims = self.gguf.shape(gname)
+        return dims if expert is None else dims[1:]
 
     def get_shape_checked(self, name: str, shape: Sequence[int]) -> None:
         """A ModelFormatError naming the tensor when its shape is not `shape` (nothing is read)."""
         self._check(name, shape)
 
     def get(self, name: str, shape: Optional[Sequence[int]] = None) -> torch.Tensor:
-        """A float tensor (float32 for quantized types; F16/BF16 as stored)."""
-        gname = self._check(name, shape)
+        """A float tensor (float32 for quantized types and shifted norms; F16/BF16 as stored)."""
+        gname, expert = self._check(name, shape)
         kind = self.gguf.type_name(gname)
-        dims = self.gguf.shape(gname)
-        rows = self._rows(name, gname)
+        dims = self.shape(name)
+        rows = self._rows(name, gname, expert)
         if kind == "F32":
             out = rows.view(torch.float32)
         elif kind == "F16":
@@ -69,13 +80,15 @@ class GGUFWeights:
             out = rows.view(torch.bfloat16)
         else:
             out = dequantize_rows(rows, kind, dims[-1])
+        if self._arch.norm_shift and name.endswith("norm.weight"):
+            out = out.float() + self._arch.norm_shift
         return out.reshape(dims)
 
     def linear(self, prefix: str, k: int, n: int, device: torch.device,
                dtype: torch.dtype) -> Union[torch.Tensor, GGMLWeight]:
         """The projection `prefix` ([n, k]): a GGMLWeight for block formats, else a dense tensor in `dtype`."""
         name = f"{prefix}.weight"
-        gname = self._check(name, (n, k))
+        gname, expert = self._check(name, (n, k))
         kind = self.gguf.type_name(gname)
         bias = None
         if f"{prefix}.bias" in self:
@@ -85,28 +98,37 @@ class GGUFWeights:
             if bias is not None:
                 raise ModelFormatError(f"{prefix}: dense GGUF projections with a bias are not supported yet.")
             return w
-        data = self._rows(name, gname).to(device).contiguous()
+        data = self._rows(name, gname, expert).to(device).contiguous()
         return GGMLWeight(data, kind, in_features=k, out_features=n, bias=bias)
 
-    def _gguf(self, name: str) -> str:
-        gname = gguf_name(name)
-        if gname is None or gname not in self.gguf:
-            raise ModelFormatError(f"Tensor {name} ({gname or 'no GGUF name'}) is missing from {self.folder.name}.")
-        return gname
+    def _gguf(self, name: str) -> Tuple[str, Optional[int]]:
+        where = self._names.gguf(name, self._present)
+        if where is None or where[0] not in self._present:
+            gname = where[0] if where else "no GGUF name"
+            raise ModelFormatError(f"Tensor {name} ({gname}) is missing from {self.folder.name}.")
+        if where[1] is not None and where[1] >= self.gguf.shape(where[0])[0]:
+            raise ModelFormatError(f"Tensor {name}: {where[0]} in {self.folder.name} holds only "
+                                   f"{self.gguf.shape(where[0])[0]} experts.")
+        return where
 
-    def _check(self, name: str, shape: Optional[Sequence[int]]) -> str:
-        gname = self._gguf(name)
-        found = self.gguf.shape(gname)
+    def _check(self, name: str, shape: Optional[Sequence[int]]) -> Tuple[str, Optional[int]]:
+        gname, expert = self._gguf(name)
+        found = self.shape(name)
         if shape is not None and tuple(found) != tuple(shape):
             raise ModelFormatError(
                 f"Tensor {gname} in {self.folder.name} has shape {list(found)} but the config implies {list(shape)}."
             )
-        return gname
+        return gname, expert
 
-    def _rows(self, name: str, gname: str) -> torch.Tensor:
-        """The stored bytes [rows, row_bytes], rows moved back to Hugging Face order for permuted Q/K."""
-        rows = torch.from_numpy(self.gguf.raw(gname).copy())
+    def _rows(self, name: str, gname: str, expert: Optional[int]) -> torch.Tensor:
+        """The stored bytes [rows, row_bytes] (one expert's rows of a stacked tensor), rows moved back to Hugging
+        Face order for permuted Q/K."""
+        raw = self.gguf.raw(gname)
+        if expert is not None:
+            per = raw.shape[0] // self.gguf.shape(gname)[0]
+            raw = raw[expert * per:(expert + 1) * per]
+        rows = torch.from_numpy(raw.copy())
         stem = name.rsplit(".", 1)[0].split(".", 3)[-1] if name.startswith("model.layers.") else ""
-        if self._permuted and stem in self._heads:
+        if self._arch.permuted_qk and stem in self._heads:
             rows = unpermute_rows(rows, self._heads[stem])
         return rows

@@ -59,7 +59,9 @@ async function refreshStatus() {
   if (st.loading) $("status").textContent = "loading " + st.loading + "…";
   else if (st.model) {
     const arch = st.architecture ? " (" + st.architecture + ")" : "";
-    $("status").textContent = "model: " + st.model + arch + " · context " + st.max_context + " tokens";
+    const wf = st.weight_format;
+    const fmt = wf ? " · " + wf.format + ", " + wf.bits_per_weight.toFixed(2) + " bpw" : "";
+    $("status").textContent = "model: " + st.model + arch + fmt + " · context " + st.max_context + " tokens";
   }
   else $("status").textContent = "no model loaded";
   $("demo-badge").hidden = !st.is_demo;
