@@ -1,5 +1,6 @@
 // GPTQ 4-bit kernels: a GEMV for 1..8 rows that reads every packed weight once (16-byte loads,
 // split-K with a deterministic last-block reduction), and dequantization to fp16 for prompt GEMMs.
+// gptq_gemv hands wide outputs to the whole-K kernel of gptq_wide.cu.
 #include <algorithm>
 
 #include "kb_cuda.cuh"
@@ -14,6 +15,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTileCols = 128;        // 32 lanes x 4 columns: one 16-byte load per lane per packed row
 constexpr int kMaxRowsPerBlock = 128; // packed rows (1024 input rows) of x staged per block
 constexpr int kUnroll = 4;            // packed rows loaded per step; two steps are in flight
+constexpr int64_t kWideMinTilesPerSm = 1;  // auto: whole-K once N / 32 >= this many tiles per multiprocessor
 
 // The 8 weights of one packed word as (q - zero) * scale in fp16, paired (row j, row j + 4), j = 0..3.
 // OR-ing a nibble into the mantissa of 1024.0 (0x6400) gives 1024 + q (or 1024 + 16q for the upper
@@ -216,7 +218,15 @@ void gptq_gemv(const GemvArgs& a) {
     require(a.groups == (a.k + a.group_size - 1) / a.group_size, "gptq_gemv: groups != ceil(K / group_size)");
     require(aligned(a.qweight, 16) && aligned(a.scales, 8) && aligned(a.zeros, 8),
             "gptq_gemv needs qweight 16-byte aligned and scales/zeros 8-byte aligned");
+    require(a.variant >= 0 && a.variant <= 2, "gptq_gemv: variant must be 0 (auto), 1 (split-K) or 2 (whole-K)");
     use_device(a.device);
+    // The whole-K kernel (gptq_wide.cu) wins once its 32-column tiles alone fill the GPU; split-K below that.
+    const bool wide_fits = gptq_gemv_wide_fits(a);
+    require(a.variant != 2 || wide_fits, "gptq_gemv: this shape cannot use the whole-K kernel");
+    if (a.variant == 2 || (a.variant == 0 && wide_fits && a.n >= 32LL * kWideMinTilesPerSm * sm_count(a.device))) {
+        gptq_gemv_wide(a);
+        return;
+    }
     const int64_t rows = (a.k + 7) / 8;
     const int64_t tiles = (a.n + kTileCols - 1) / kTileCols;
     require(tiles <= 2147483647LL, "gptq_gemv: N too large");
