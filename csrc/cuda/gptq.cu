@@ -15,7 +15,6 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTileCols = 128;        // 32 lanes x 4 columns: one 16-byte load per lane per packed row
 constexpr int kMaxRowsPerBlock = 128; // packed rows (1024 input rows) of x staged per block
 constexpr int kUnroll = 4;            // packed rows loaded per step; two steps are in flight
-constexpr int64_t kWideMinTilesPerSm = 1;  // auto: whole-K once N / 32 >= this many tiles per multiprocessor
 
 // The 8 weights of one packed word as (q - zero) * scale in fp16, paired (row j, row j + 4), j = 0..3.
 // OR-ing a nibble into the mantissa of 1024.0 (0x6400) gives 1024 + q (or 1024 + 16q for the upper
@@ -208,6 +207,24 @@ __global__ void dequant_kernel(const uint32_t* __restrict__ qw, int k, int n, co
     }
 }
 
+// The GEMV kernel for a shape when none is forced: 1 split-K, 2 or 3 whole-K with 256 or 512 threads
+// (gptq_wide.cu). From tools/gptq_gemv_bench.py on the H200 (docs/performance.md): whole-K needs its 32-column
+// tiles to fill most multiprocessors; it wins at 1-2 rows on every 7B/13B/70B shape whose tiles fill the last wave
+// well (>= 90%) or whose K is short (<= 5120), and at up to 8 rows on N = 4096; split-K wins at 4-8 rows on wide
+// outputs, on ragged last waves with long K (13B down, 70B qkv), and for act-order over more than 3 waves of
+// tiles (each whole-K block gathers all of x through the permutation). With one tile or fewer per
+// multiprocessor and a long K, 512 threads keep more loads in flight (7B down: 15.8 vs 17.3 us).
+int choose_gemv(const GemvArgs& a, int sms) {
+    const int64_t tiles = (a.n + 31) / 32;
+    const int64_t waves = (tiles + sms - 1) / sms;
+    const bool fill = 10 * tiles >= 9 * waves * sms;
+    const bool wide = 4 * tiles >= 3LL * sms && (a.m <= 2 || a.n <= 4096) && (a.k <= 5120 || fill) &&
+                      (a.perm == nullptr || tiles <= 3LL * sms);
+    if (!wide) return 1;
+    if (a.m <= 2 && tiles <= sms && a.k >= 8192 && gptq_gemv_wide_fits(a, 512)) return 3;
+    return gptq_gemv_wide_fits(a, 256) ? 2 : 1;
+}
+
 }  // namespace
 
 void gptq_gemv(const GemvArgs& a) {
@@ -218,13 +235,18 @@ void gptq_gemv(const GemvArgs& a) {
     require(a.groups == (a.k + a.group_size - 1) / a.group_size, "gptq_gemv: groups != ceil(K / group_size)");
     require(aligned(a.qweight, 16) && aligned(a.scales, 8) && aligned(a.zeros, 8),
             "gptq_gemv needs qweight 16-byte aligned and scales/zeros 8-byte aligned");
-    require(a.variant >= 0 && a.variant <= 2, "gptq_gemv: variant must be 0 (auto), 1 (split-K) or 2 (whole-K)");
+    require(a.variant >= 0 && a.variant <= 3,
+            "gptq_gemv: variant must be 0 (auto), 1 (split-K), 2 or 3 (whole-K, 256 or 512 threads)");
     use_device(a.device);
-    // The whole-K kernel (gptq_wide.cu) wins once its 32-column tiles alone fill the GPU; split-K below that.
-    const bool wide_fits = gptq_gemv_wide_fits(a);
-    require(a.variant != 2 || wide_fits, "gptq_gemv: this shape cannot use the whole-K kernel");
-    if (a.variant == 2 || (a.variant == 0 && wide_fits && a.n >= 32LL * kWideMinTilesPerSm * sm_count(a.device))) {
-        gptq_gemv_wide(a);
+    if (a.variant >= 2) {
+        const int threads = a.variant == 2 ? 256 : 512;
+        require(gptq_gemv_wide_fits(a, threads), "gptq_gemv: this shape cannot use the whole-K kernel");
+        gptq_gemv_wide(a, threads);
+        return;
+    }
+    const int variant = a.variant != 0 ? a.variant : choose_gemv(a, sm_count(a.device));
+    if (variant >= 2) {
+        gptq_gemv_wide(a, variant == 2 ? 256 : 512);
         return;
     }
     const int64_t rows = (a.k + 7) / 8;

@@ -17,13 +17,14 @@ namespace kb {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
 constexpr int kLanesPerRow = 8;                     // 8 lanes x 4 columns = 32 columns per tile
 constexpr int kTileCols = kLanesPerRow * 4;
-constexpr int kSlots = kThreads / kLanesPerRow;     // 32 row slots per block
 constexpr int kBatch = 8;                           // packed rows per slot per batch (64 inputs)
 constexpr int64_t kMaxStageBytes = 96 * 1024;       // x staged in shared memory for all of K
+constexpr int kStageUnroll = 4;                     // 16-byte staging loads in flight per thread
+constexpr int kGatherUnroll = 2;                    // packed rows gathered at once per thread
+
+__device__ __forceinline__ uint32_t half2_as_u32(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
 // Row r of staged x sits at uint4 index r + r / 8: the 4 slots of a warp read rows 8 apart, and the
 // padding puts them in different banks.
@@ -64,7 +65,7 @@ __device__ __forceinline__ void load_batch(const uint4* __restrict__ qp, int64_t
 }
 
 template <int M>
-__device__ __forceinline__ void consume(const Batch& b, const uint4* __restrict__ xs, int xrows, int rb,
+__device__ __forceinline__ void consume(const Batch& b, const uint4* __restrict__ xs, int xrows, int rb, int rows,
                                         float (&acc)[M][4]) {
     const half2 s01 = u32_as_half2(b.s.x), s23 = u32_as_half2(b.s.y);
     const half2 z01 = u32_as_half2(b.z.x), z23 = u32_as_half2(b.z.y);
@@ -72,6 +73,7 @@ __device__ __forceinline__ void consume(const Batch& b, const uint4* __restrict_
     const half2 z2[4] = {__low2half2(z01), __high2half2(z01), __low2half2(z23), __high2half2(z23)};
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
+        if (rb * kBatch + u >= rows) break;  // the last batch of a K that is not a multiple of 64: x is staged to K
         const uint32_t words[4] = {b.w[u].x, b.w[u].y, b.w[u].z, b.w[u].w};
         const int xr = padded(rb * kBatch + u);
 #pragma unroll
@@ -94,11 +96,13 @@ __device__ __forceinline__ void consume(const Batch& b, const uint4* __restrict_
 
 // Grid: one block per 32-column tile. Thread: lane group (4 columns) and row slot; slot s takes the
 // 8-row blocks s, s + 32, s + 64, ... of K, two batches in flight.
-template <int M>
-__global__ void __launch_bounds__(kThreads, M <= 2 ? 2 : 1) gemv_wide_kernel(
+template <int M, int kThreads>
+__global__ void __launch_bounds__(kThreads, M <= 2 && kThreads == 256 ? 2 : 1) gemv_wide_kernel(
     const half* __restrict__ x, int64_t x_stride, const int64_t* __restrict__ perm, const uint4* __restrict__ qw4,
     const half* __restrict__ scales, const half* __restrict__ zeros, const half* __restrict__ bias,
-    half* __restrict__ out, int k, int n, int group_size) {
+    half* __restrict__ out, int k, int n, int group_size, bool vec_x) {
+    constexpr int kWarps = kThreads / 32;
+    constexpr int kSlots = kThreads / kLanesPerRow;  // row slots per block
     extern __shared__ uint4 xs[];
     __shared__ float red[kWarps][M][kTileCols];
     const int rows = (k + 7) / 8;
@@ -118,15 +122,58 @@ __global__ void __launch_bounds__(kThreads, M <= 2 ? 2 : 1) gemv_wide_kernel(
     if (active && rb + kSlots < row_blocks)
         load_batch(qp, n4, rb + kSlots, rows, scales, zeros, n, col, group_size, nxt);
 
-    // Stage x[:, perm[8r + j]] as half2 pairs (j, j + 4) per packed row r; inputs past K are zero.
-    half* xh = reinterpret_cast<half*>(xs);
-    for (int i = threadIdx.x; i < rows * 8; i += kThreads) {
-        const int r = i >> 3, j = i & 7;
-        const int pos = padded(r) * 8 + (j < 4 ? 2 * j : 2 * (j - 4) + 1);
-        const int64_t src = i < k ? (perm ? perm[i] : i) : -1;
+    // Stage x[:, perm[8r + j]] as half2 pairs (j, j + 4) per packed row r; inputs past K are zero. Every
+    // thread issues all its loads before the first store, so staging costs about one L2 round trip.
+    if (vec_x) {
+        for (int m = 0; m < M; ++m) {
+            const uint4* xr = reinterpret_cast<const uint4*>(x + m * x_stride);
+            for (int r0 = threadIdx.x; r0 < rows; r0 += kThreads * kStageUnroll) {
+                uint4 v[kStageUnroll];
 #pragma unroll
-        for (int m = 0; m < M; ++m)
-            xh[m * xrows * 8 + pos] = src >= 0 ? x[m * x_stride + src] : __float2half(0.0f);
+                for (int u = 0; u < kStageUnroll; ++u) {
+                    const int r = r0 + u * kThreads;
+                    if (r < rows) v[u] = __ldg(xr + r);
+                }
+#pragma unroll
+                for (int u = 0; u < kStageUnroll; ++u) {
+                    const int r = r0 + u * kThreads;
+                    if (r < rows)
+                        xs[m * xrows + padded(r)] =
+                            make_uint4(__byte_perm(v[u].x, v[u].z, 0x5410), __byte_perm(v[u].x, v[u].z, 0x7632),
+                                       __byte_perm(v[u].y, v[u].w, 0x5410), __byte_perm(v[u].y, v[u].w, 0x7632));
+                }
+            }
+        }
+    } else {
+        // Gathered through perm (or K % 8 != 0, or unaligned rows): per packed row, 8 indices then 8 inputs.
+        for (int r0 = threadIdx.x; r0 < rows; r0 += kThreads * kGatherUnroll) {
+            int src[kGatherUnroll][8];
+#pragma unroll
+            for (int u = 0; u < kGatherUnroll; ++u)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int i = 8 * (r0 + u * kThreads) + j;
+                    src[u][j] = i < k ? (perm ? static_cast<int>(perm[i]) : i) : -1;
+                }
+            for (int m = 0; m < M; ++m) {
+                half v[kGatherUnroll][8];
+#pragma unroll
+                for (int u = 0; u < kGatherUnroll; ++u)
+#pragma unroll
+                    for (int j = 0; j < 8; ++j)
+                        v[u][j] = src[u][j] >= 0 ? x[m * x_stride + src[u][j]] : __float2half(0.0f);
+#pragma unroll
+                for (int u = 0; u < kGatherUnroll; ++u) {
+                    const int r = r0 + u * kThreads;
+                    if (r < rows) {
+                        const half2 p0 = __halves2half2(v[u][0], v[u][4]), p1 = __halves2half2(v[u][1], v[u][5]);
+                        const half2 p2 = __halves2half2(v[u][2], v[u][6]), p3 = __halves2half2(v[u][3], v[u][7]);
+                        xs[m * xrows + padded(r)] = make_uint4(half2_as_u32(p0), half2_as_u32(p1), half2_as_u32(p2),
+                                                               half2_as_u32(p3));
+                    }
+                }
+            }
+        }
     }
     __syncthreads();
 
@@ -138,7 +185,7 @@ __global__ void __launch_bounds__(kThreads, M <= 2 ? 2 : 1) gemv_wide_kernel(
 
     if (active) {
         while (rb < row_blocks) {
-            consume<M>(cur, xs, xrows, rb, acc);
+            consume<M>(cur, xs, xrows, rb, rows, acc);
             rb += kSlots;
             if (rb >= row_blocks) break;
             cur = nxt;
@@ -176,42 +223,50 @@ __global__ void __launch_bounds__(kThreads, M <= 2 ? 2 : 1) gemv_wide_kernel(
     }
 }
 
-template <int M>
+template <int M, int kThreads>
 void launch_wide(const GemvArgs& a) {
     const int64_t rows = (a.k + 7) / 8;
     const size_t smem = static_cast<size_t>(M) * padded_rows(rows) * sizeof(uint4);
-    auto kernel = gemv_wide_kernel<M>;
+    auto kernel = gemv_wide_kernel<M, kThreads>;
     if (smem > 48 * 1024)
         KB_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));
     const unsigned tiles = static_cast<unsigned>((a.n + kTileCols - 1) / kTileCols);
+    // x read as 16-byte rows of 8 inputs: no permutation, K % 8 == 0 and every row 16-byte aligned
+    const bool vec_x = a.perm == nullptr && a.k % 8 == 0 && a.x_stride % 8 == 0 && aligned(a.x, 16);
     kernel<<<tiles, kThreads, smem, as_stream(a.stream)>>>(
         static_cast<const half*>(a.x), a.x_stride, a.perm, reinterpret_cast<const uint4*>(a.qweight),
         static_cast<const half*>(a.scales), static_cast<const half*>(a.zeros), static_cast<const half*>(a.bias),
-        static_cast<half*>(a.out), static_cast<int>(a.k), static_cast<int>(a.n), static_cast<int>(a.group_size));
+        static_cast<half*>(a.out), static_cast<int>(a.k), static_cast<int>(a.n), static_cast<int>(a.group_size),
+        vec_x);
     KB_CHECK_LAUNCH();
 }
 
 }  // namespace
 
-bool gptq_gemv_wide_fits(const GemvArgs& a) {
+bool gptq_gemv_wide_fits(const GemvArgs& a, int threads) {
     const int64_t rows = (a.k + 7) / 8;
-    return a.m >= 1 && a.m <= 8 && a.group_size % (8 * kBatch) == 0 && a.n % 4 == 0 &&
+    return a.m >= 1 && a.m <= (threads == 512 ? 2 : 8) && a.group_size % (8 * kBatch) == 0 && a.n % 4 == 0 &&
            a.m * padded_rows(rows) * static_cast<int64_t>(sizeof(uint4)) <= kMaxStageBytes &&
-           (a.n + kTileCols - 1) / kTileCols < 2147483647LL;
+           (a.n + kTileCols - 1) / kTileCols < 2147483647LL && (threads == 256 || threads == 512);
 }
 
-void gptq_gemv_wide(const GemvArgs& a) {
-    require(gptq_gemv_wide_fits(a), "gptq_gemv_wide: shape outside the whole-K kernel's range");
+void gptq_gemv_wide(const GemvArgs& a, int threads) {
+    require(gptq_gemv_wide_fits(a, threads), "gptq_gemv_wide: shape outside the whole-K kernel's range");
+    if (threads == 512) {
+        if (a.m == 1) launch_wide<1, 512>(a);
+        else launch_wide<2, 512>(a);
+        return;
+    }
     switch (a.m) {
-        case 1: launch_wide<1>(a); break;
-        case 2: launch_wide<2>(a); break;
-        case 3: launch_wide<3>(a); break;
-        case 4: launch_wide<4>(a); break;
-        case 5: launch_wide<5>(a); break;
-        case 6: launch_wide<6>(a); break;
-        case 7: launch_wide<7>(a); break;
-        default: launch_wide<8>(a); break;
+        case 1: launch_wide<1, 256>(a); break;
+        case 2: launch_wide<2, 256>(a); break;
+        case 3: launch_wide<3, 256>(a); break;
+        case 4: launch_wide<4, 256>(a); break;
+        case 5: launch_wide<5, 256>(a); break;
+        case 6: launch_wide<6, 256>(a); break;
+        case 7: launch_wide<7, 256>(a); break;
+        default: launch_wide<8, 256>(a); break;
     }
 }
 

@@ -27,8 +27,9 @@ CUDA_CODES: Dict[torch.dtype, int] = {torch.float16: 1}
 WS_FLOATS = 1 << 22
 WS_COUNTERS = 1 << 16
 
-# gptq_gemv's `variant`: chosen by shape, or one kernel forced (GEMV_WHOLE_K only where its shape check passes).
-GEMV_AUTO, GEMV_SPLIT_K, GEMV_WHOLE_K = 0, 1, 2
+# gptq_gemv's `variant`: chosen by shape, or one kernel forced (the whole-K ones only where their shape check
+# passes; the 512-thread one takes 1 or 2 rows).
+GEMV_AUTO, GEMV_SPLIT_K, GEMV_WHOLE_K, GEMV_WHOLE_K_512 = 0, 1, 2, 3
 
 # The parameter names of each binding in csrc/cuda/module_cuda.cpp, in order.
 CUDA_SIGNATURES: Dict[str, Tuple[str, ...]] = {
@@ -116,7 +117,8 @@ class CudaKernels:
     def gptq_matmul(self, x: torch.Tensor, w: Any, out: Optional[torch.Tensor] = None,
                     variant: int = GEMV_AUTO) -> torch.Tensor:
         """x @ dequantize(w); 1..8 rows through the GEMV (`variant`: GEMV_AUTO picks the kernel by shape;
-        GEMV_SPLIT_K and GEMV_WHOLE_K force one, for tools/gptq_gemv_bench.py), more through cuBLAS."""
+        GEMV_SPLIT_K, GEMV_WHOLE_K and GEMV_WHOLE_K_512 force one, for tools/gptq_gemv_bench.py), more through
+        cuBLAS."""
         if (x.dim() != 2 or x.shape[1] != w.in_features or x.dtype != torch.float16
                 or w.scales.dtype != torch.float16 or w.zeros.dtype != torch.float16
                 or (w.bias is not None and w.bias.dtype != torch.float16)):
