@@ -1,15 +1,13 @@
 // GPTQ 4-bit GEMV without split-K, for 1..8 rows: one block per 32 output columns reads the whole K.
 //
 // The split-K kernel in gptq.cu gives each block only a few 16-byte loads per thread and then pays a
-// cross-block reduction (partials, fence, atomic, a second read). Here each block owns a 32-column tile
-// for all of K, so the reduction stays in the block (shuffles, then one pass over shared memory, in a
-// fixed order: deterministic) and every thread keeps 16 independent 16-byte weight loads in flight
-// (two batches of 8 packed rows). The qweight layout is the GPTQ one ([K/8, N] int32, row 8r + j at bits
+// cross-block reduction (partials, fence, atomic, a second read). Here each block (256 or 512 threads) owns a
+// 32-column tile for all of K, so the reduction stays in the block (shuffles, then one pass over shared
+// memory, in a fixed order: deterministic) and every thread keeps up to 16 independent 16-byte weight loads
+// in flight (two batches of 8 packed rows). gptq.cu's choose_gemv decides where this kernel runs. The qweight layout is the GPTQ one ([K/8, N] int32, row 8r + j at bits
 // 4j of word r): 8 lanes read one packed row of the tile, 128 contiguous bytes, so a warp reads four full
 // cache lines per load. Scales and zeros are read once per batch (a batch of 8 packed rows = 64 inputs
 // lies in one group when the group size is a multiple of 64, which gptq_gemv_wide_fits checks).
-#include <algorithm>
-
 #include "kb_cuda.cuh"
 #include "ops_cuda.h"
 
@@ -95,7 +93,7 @@ __device__ __forceinline__ void consume(const Batch& b, const uint4* __restrict_
 }
 
 // Grid: one block per 32-column tile. Thread: lane group (4 columns) and row slot; slot s takes the
-// 8-row blocks s, s + 32, s + 64, ... of K, two batches in flight.
+// 8-row blocks s, s + S, s + 2S, ... of K (S = threads / 8 slots), two batches in flight.
 template <int M, int kThreads>
 __global__ void __launch_bounds__(kThreads, M <= 2 && kThreads == 256 ? 2 : 1) gemv_wide_kernel(
     const half* __restrict__ x, int64_t x_stride, const int64_t* __restrict__ perm, const uint4* __restrict__ qw4,
@@ -122,8 +120,9 @@ __global__ void __launch_bounds__(kThreads, M <= 2 && kThreads == 256 ? 2 : 1) g
     if (active && rb + kSlots < row_blocks)
         load_batch(qp, n4, rb + kSlots, rows, scales, zeros, n, col, group_size, nxt);
 
-    // Stage x[:, perm[8r + j]] as half2 pairs (j, j + 4) per packed row r; inputs past K are zero. Every
-    // thread issues all its loads before the first store, so staging costs about one L2 round trip.
+    // Stage x[:, perm[8r + j]] as half2 pairs (j, j + 4) per packed row r; inputs past K are zero. Each
+    // thread issues 4 rows' 16-byte loads (or 2 rows' gathers) before storing any, while its weight loads
+    // are already in flight.
     if (vec_x) {
         for (int m = 0; m < M; ++m) {
             const uint4* xr = reinterpret_cast<const uint4*>(x + m * x_stride);
