@@ -45,6 +45,31 @@ def test_synthetic_checkpoint_is_a_valid_gptq_model(tmp_path: Path) -> None:
     assert config.num_kv_heads == PRESETS["tiny"].kv_heads
 
 
+def test_synthetic_act_order_shares_one_permutation_per_input(tmp_path: Path) -> None:
+    """As in real act-order checkpoints (GPTQ orders a linear's inputs by its Hessian, a function of the input
+    alone), q/k/v share one g_idx and gate/up another, so the loader fuses them; o and down keep their own."""
+    from safetensors import safe_open
+
+    from kobold_backend.engine.loader import load_model
+    from kobold_backend.ops.gptq_weight import GPTQWeight
+
+    folder = write_synthetic_gptq(tmp_path / "m", PRESETS["tiny"], group_size=32, act_order=True, device="cpu")
+    g = {}
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            g.update({k: f.get_tensor(k) for k in f.keys() if k.startswith("model.layers.0.") and "g_idx" in k})
+    name = "model.layers.0.{}.g_idx".format
+    qkv = [g[name(f"self_attn.{p}_proj")] for p in "qkv"]
+    gate_up = [g[name(f"mlp.{p}_proj")] for p in ("gate", "up")]
+    assert torch.equal(qkv[0], qkv[1]) and torch.equal(qkv[0], qkv[2]) and torch.equal(gate_up[0], gate_up[1])
+    assert not torch.equal(qkv[0], gate_up[0]) and not torch.equal(qkv[0], g[name("self_attn.o_proj")])
+    trivial = torch.arange(qkv[0].numel(), dtype=torch.int32) // 32
+    assert not torch.equal(qkv[0], trivial), "act-order checkpoints must permute the inputs"
+    layer = load_model(folder, device="cpu", with_tokenizer=False, max_seq_len=32).model.layers[0]
+    assert isinstance(layer.qkv_proj, GPTQWeight) and isinstance(layer.gate_up_proj, GPTQWeight)
+    assert layer.qkv_proj.perm is not None
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "phi3", "mistral"])
 def test_synthetic_checkpoint_follows_the_architecture_layout(model_type: str, tmp_path: Path) -> None:
     """Presets of any registered architecture write exactly the tensors its description names, and load."""

@@ -63,6 +63,47 @@ def test_gptq_gemv(kernels: native.CudaKernels, k: int, n: int, gs: int, act: bo
         assert int(counters.count_nonzero()) == 0, "split-K counters must be left at zero"
 
 
+WHOLE_K_CASES = [
+    # (K, N, group size, act-order, rows, bias, x row stride - K): shapes the whole-K kernel takes
+    (4096, 4096, 128, False, 1, False, 0),
+    (11008, 4096, 128, True, 2, True, 0),
+    (4096, 4100, 64, False, 8, True, 0),  # one partial 32-column tile
+    (1024, 36, -1, True, 3, False, 0),
+    (200, 44, 64, False, 5, False, 0),  # the last batch of 8 packed rows is partial
+    (20, 12, 64, False, 2, True, 0),  # K not a multiple of 8: x staged element by element
+    (4096, 12288, 128, False, 4, False, 4),  # x rows not 16-byte aligned: element by element too
+]
+
+
+@pytest.mark.parametrize("k,n,gs,act,m,bias,pad", WHOLE_K_CASES)
+@pytest.mark.parametrize("variant", ["split-K", "whole-K", "whole-K-512"])
+def test_gptq_gemv_each_kernel(kernels: native.CudaKernels, k: int, n: int, gs: int, act: bool, m: int, bias: bool,
+                               pad: int, variant: str) -> None:
+    """Each GEMV kernel forced on the same inputs: each matches the oracle, and repeats bit for bit."""
+    from kobold_backend.ops.cuda_kernels import GEMV_SPLIT_K, GEMV_WHOLE_K, GEMV_WHOLE_K_512
+
+    code = {"split-K": GEMV_SPLIT_K, "whole-K": GEMV_WHOLE_K, "whole-K-512": GEMV_WHOLE_K_512}[variant]
+    w = make_gptq(k, n, gs, act_order=act, dtype=F16, bias=bias, device="cuda", seed=k + n + m + pad)
+    x = random((m, k + pad), F16, seed=m, device="cuda")[:, :k]
+    if code == GEMV_WHOLE_K_512 and m > 2:
+        with pytest.raises(ValueError, match="whole-K"):
+            kernels.gptq_matmul(x, w, variant=code)
+        return
+    y = kernels.gptq_matmul(x, w, out=poisoned((m, n), F16, "cuda"), variant=code)
+    assert_close_rel(y, gptq_oracle(x, w), TOL, f"{variant} {k}x{n} g{gs} act={act} m={m} pad={pad}")
+    assert torch.equal(y, kernels.gptq_matmul(x, w, out=poisoned((m, n), F16, "cuda"), variant=code))
+
+
+def test_gptq_gemv_whole_k_refuses_small_groups(kernels: native.CudaKernels) -> None:
+    """A batch of 8 packed rows must lie in one group: group size 32 is refused, not computed wrong."""
+    from kobold_backend.ops.cuda_kernels import GEMV_WHOLE_K
+
+    w = make_gptq(4096, 4096, 32, dtype=F16, device="cuda", seed=3)
+    x = random((1, 4096), F16, seed=3, device="cuda")
+    with pytest.raises(ValueError, match="whole-K"):
+        kernels.gptq_matmul(x, w, variant=GEMV_WHOLE_K)
+
+
 @pytest.mark.parametrize("m,n,gs", [(9, 4096, 128), (64, 4096, 128), (1, 6, 8), (3, 64, 20)])
 def test_gptq_matmul_dequant_path(kernels: native.CudaKernels, m: int, n: int, gs: int) -> None:
     """Prompt-sized inputs, N % 4 != 0 and group sizes that are not multiples of 8 dequantize + cuBLAS."""

@@ -1,5 +1,6 @@
 // GPTQ 4-bit kernels: a GEMV for 1..8 rows that reads every packed weight once (16-byte loads,
 // split-K with a deterministic last-block reduction), and dequantization to fp16 for prompt GEMMs.
+// gptq_gemv hands wide outputs to the whole-K kernel of gptq_wide.cu.
 #include <algorithm>
 
 #include "kb_cuda.cuh"
@@ -206,6 +207,24 @@ __global__ void dequant_kernel(const uint32_t* __restrict__ qw, int k, int n, co
     }
 }
 
+// The GEMV kernel for a shape when none is forced: 1 split-K, 2 or 3 whole-K with 256 or 512 threads
+// (gptq_wide.cu). From tools/gptq_gemv_bench.py on the H200 (docs/performance.md): whole-K needs its 32-column
+// tiles to fill most multiprocessors; it wins at 1-2 rows on every 7B/13B/70B shape whose tiles fill the last wave
+// well (>= 90%) or whose K is short (<= 5120), and at up to 8 rows on N = 4096; split-K wins at 4-8 rows on wide
+// outputs, on ragged last waves with long K (13B down, 70B qkv), and for act-order over more than 3 waves of
+// tiles (each whole-K block gathers all of x through the permutation). With one tile or fewer per
+// multiprocessor and a long K, 512 threads keep more loads in flight (7B down: 15.8 vs 17.3 us).
+int choose_gemv(const GemvArgs& a, int sms) {
+    const int64_t tiles = (a.n + 31) / 32;
+    const int64_t waves = (tiles + sms - 1) / sms;
+    const bool fill = 10 * tiles >= 9 * waves * sms;
+    const bool wide = 4 * tiles >= 3LL * sms && (a.m <= 2 || a.n <= 4096) && (a.k <= 5120 || fill) &&
+                      (a.perm == nullptr || tiles <= 3LL * sms);
+    if (!wide) return 1;
+    if (a.m <= 2 && tiles <= sms && a.k >= 8192 && gptq_gemv_wide_fits(a, 512)) return 3;
+    return gptq_gemv_wide_fits(a, 256) ? 2 : 1;
+}
+
 }  // namespace
 
 void gptq_gemv(const GemvArgs& a) {
@@ -216,7 +235,20 @@ void gptq_gemv(const GemvArgs& a) {
     require(a.groups == (a.k + a.group_size - 1) / a.group_size, "gptq_gemv: groups != ceil(K / group_size)");
     require(aligned(a.qweight, 16) && aligned(a.scales, 8) && aligned(a.zeros, 8),
             "gptq_gemv needs qweight 16-byte aligned and scales/zeros 8-byte aligned");
+    require(a.variant >= 0 && a.variant <= 3,
+            "gptq_gemv: variant must be 0 (auto), 1 (split-K), 2 or 3 (whole-K, 256 or 512 threads)");
     use_device(a.device);
+    if (a.variant >= 2) {
+        const int threads = a.variant == 2 ? 256 : 512;
+        require(gptq_gemv_wide_fits(a, threads), "gptq_gemv: this shape cannot use the whole-K kernel");
+        gptq_gemv_wide(a, threads);
+        return;
+    }
+    const int variant = a.variant != 0 ? a.variant : choose_gemv(a, sm_count(a.device));
+    if (variant >= 2) {
+        gptq_gemv_wide(a, variant == 2 ? 256 : 512);
+        return;
+    }
     const int64_t rows = (a.k + 7) / 8;
     const int64_t tiles = (a.n + kTileCols - 1) / kTileCols;
     require(tiles <= 2147483647LL, "gptq_gemv: N too large");

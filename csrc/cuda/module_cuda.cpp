@@ -56,10 +56,10 @@ PYBIND11_MODULE(_ext_cuda, m) {
     m.def("gptq_gemv", [](std::uintptr_t x, int64_t x_stride, int64_t rows, int64_t k, std::uintptr_t perm,
                           std::uintptr_t qweight, int64_t n, std::uintptr_t scales, std::uintptr_t zeros,
                           int64_t group_size, int64_t groups, std::uintptr_t bias, std::uintptr_t out, py::tuple ws,
-                          int device, std::uintptr_t stream) {
+                          int variant, int device, std::uintptr_t stream) {
         kc::GemvArgs a{ptr<const void>(x), x_stride, rows, k, ptr<const int64_t>(perm), ptr<const uint32_t>(qweight),
                        n, ptr<const void>(scales), ptr<const void>(zeros), group_size, groups,
-                       ptr<const void>(bias), ptr<void>(out), workspace(ws), device, stream};
+                       ptr<const void>(bias), ptr<void>(out), workspace(ws), device, stream, variant};
         py::gil_scoped_release release;
         kc::gptq_gemv(a);
     });

@@ -41,6 +41,8 @@ _MIXTRAL = (("num_local_experts", 8), ("num_experts_per_tok", 2), ("sliding_wind
 PRESETS: Dict[str, Shape] = {
     "llama2-7b": Shape(4096, 11008, 32, 32, 32, 32000),
     "llama2-13b": Shape(5120, 13824, 40, 40, 40, 32000),
+    # Llama-2-70B: 64 heads over 8 KV heads (~35 GB of GPTQ tensors: fits one H200 with its cache)
+    "llama2-70b": Shape(8192, 28672, 80, 64, 8, 32000),
     "llama3-8b": Shape(4096, 14336, 32, 32, 8, 128256, rope_theta=500000.0),
     # Qwen2.5-7B-Instruct: q/k/v biases, 28 heads over 4 KV heads, a 152k vocabulary, untied head
     "qwen2.5-7b": Shape(3584, 18944, 28, 28, 4, 152064, rope_theta=1000000.0, model_type="qwen2",
@@ -63,16 +65,21 @@ PRESETS: Dict[str, Shape] = {
 }
 
 
+# Linears that read the same input get one act-order permutation, as in real checkpoints: GPTQ orders a
+# linear's inputs by its Hessian's diagonal, which depends only on the input (so q/k/v agree, and gate/up).
+_SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up",
+                 "w1": "w1_w3", "w3": "w1_w3"}
+
+
 def _gptq_tensors(
-    k: int, n: int, group: int, act_order: bool, gen: torch.Generator, device: str
+    k: int, n: int, group: int, perm: Optional[torch.Tensor], gen: torch.Generator, device: str
 ) -> Dict[str, torch.Tensor]:
     groups = -(-k // group)
     qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, generator=gen, device=device)
     scales = (torch.rand((groups, n), generator=gen, device=device) * 0.002 + 0.001).half()
     qzeros = torch.full((groups, n // 8), 0x77777777, dtype=torch.int32, device=device)
     g_idx = torch.arange(k, dtype=torch.int32, device=device) // group
-    if act_order:
-        perm = torch.randperm(k, generator=gen, device=device)
+    if perm is not None:
         g_idx = (torch.argsort(perm) // group).to(torch.int32)
     return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
 
@@ -124,11 +131,19 @@ def write_synthetic_gptq(
     total = 0
     for number, shapes in enumerate(groups.values()):
         tensors: Dict[str, torch.Tensor] = {}
+        perms: Dict[Tuple[str, str, int], torch.Tensor] = {}
         for name, dims in shapes.items():
             if name.endswith(".qweight"):
                 prefix = name[: -len(".qweight")]
                 k, n = dims[0] * 8, dims[1]
-                for suffix, t in _gptq_tensors(k, n, group_size, act_order, gen, dev).items():
+                perm = None
+                if act_order:
+                    parent, leaf = prefix.rsplit(".", 1)
+                    key = (parent, _SHARED_INPUT.get(leaf, leaf), k)
+                    perm = perms.get(key)
+                    if perm is None:
+                        perm = perms[key] = torch.randperm(k, generator=gen, device=dev)
+                for suffix, t in _gptq_tensors(k, n, group_size, perm, gen, dev).items():
                     tensors[f"{prefix}.{suffix}"] = t
             elif name.endswith(("norm.weight", "layernorm.weight")):
                 tensors[name] = torch.full(dims, unit, dtype=torch.float16)

@@ -27,10 +27,14 @@ CUDA_CODES: Dict[torch.dtype, int] = {torch.float16: 1}
 WS_FLOATS = 1 << 22
 WS_COUNTERS = 1 << 16
 
+# gptq_gemv's `variant`: chosen by shape, or one kernel forced (the whole-K ones only where their shape check
+# passes; the 512-thread one takes 1 or 2 rows).
+GEMV_AUTO, GEMV_SPLIT_K, GEMV_WHOLE_K, GEMV_WHOLE_K_512 = 0, 1, 2, 3
+
 # The parameter names of each binding in csrc/cuda/module_cuda.cpp, in order.
 CUDA_SIGNATURES: Dict[str, Tuple[str, ...]] = {
     "gptq_gemv": ("x", "x_stride", "rows", "k", "perm", "qweight", "n", "scales", "zeros", "group_size", "groups",
-                  "bias", "out", "ws", "device", "stream"),
+                  "bias", "out", "ws", "variant", "device", "stream"),
     "gptq_dequantize": ("qweight", "k", "n", "scales", "zeros", "group_size", "groups", "out", "device", "stream"),
     "rms_norm": ("x", "x_stride", "residual", "r_stride", "rows", "d", "weight", "w_dtype", "eps", "y",
                  "residual_out", "device", "stream"),
@@ -110,7 +114,11 @@ class CudaKernels:
                    groups=w.scales.shape[0], out=y.data_ptr())
         return y
 
-    def gptq_matmul(self, x: torch.Tensor, w: Any, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def gptq_matmul(self, x: torch.Tensor, w: Any, out: Optional[torch.Tensor] = None,
+                    variant: int = GEMV_AUTO) -> torch.Tensor:
+        """x @ dequantize(w); 1..8 rows through the GEMV (`variant`: GEMV_AUTO picks the kernel by shape;
+        GEMV_SPLIT_K, GEMV_WHOLE_K and GEMV_WHOLE_K_512 force one, for tools/gptq_gemv_bench.py), more through
+        cuBLAS."""
         if (x.dim() != 2 or x.shape[1] != w.in_features or x.dtype != torch.float16
                 or w.scales.dtype != torch.float16 or w.zeros.dtype != torch.float16
                 or (w.bias is not None and w.bias.dtype != torch.float16)):
@@ -129,7 +137,8 @@ class CudaKernels:
         self._call("gptq_gemv", dev, x=x2.data_ptr(), x_stride=x2.stride(0), rows=m, k=w.in_features,
                    perm=0 if w.perm is None else w.perm.data_ptr(), qweight=w.qweight.data_ptr(), n=n,
                    scales=w.scales.data_ptr(), zeros=w.zeros.data_ptr(), group_size=w.group_size,
-                   groups=w.scales.shape[0], bias=0 if w.bias is None else w.bias.data_ptr(), out=y.data_ptr())
+                   groups=w.scales.shape[0], bias=0 if w.bias is None else w.bias.data_ptr(), out=y.data_ptr(),
+                   variant=variant)
         return y
 
     def _dequant_matmul(self, x: torch.Tensor, w: Any) -> torch.Tensor:
