@@ -126,7 +126,12 @@ def pybind11_shim(spec: str) -> Path:
         if proc.returncode != 0:
             shutil.rmtree(staging, ignore_errors=True)
             raise BuildFailed(f"pip could not fetch pybind11=={spec}:\n{proc.stdout}{proc.stderr}")
-        os.replace(staging, shim)
+        try:
+            os.replace(staging, shim)
+        except OSError:  # another build installed the same version meanwhile: keep theirs
+            shutil.rmtree(staging, ignore_errors=True)
+            if not (shim / "pybind11").is_dir():
+                raise
     return shim
 
 
