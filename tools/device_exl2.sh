@@ -25,7 +25,7 @@ echo "== 7B EXL2 written at $((SECONDS - t0)) s"; tail -2 "$OUT/write.log"
 timeout 80 python3 -m kobold_backend.bench --model /tmp/exl2-7b --json "$OUT/ours.json" 2>&1 | grep -v -i warn | tail -5
 echo "== ours benched at $((SECONDS - t0)) s"
 wait $logits_job; tail -4 "$OUT/exllamav2_logits.log"
-[ -f "$OUT/reference-logits.safetensors" ] && cp "$OUT/reference-logits.safetensors" tests/data/exl2/
+[ -f "$OUT/reference-logits.safetensors" ] && cp "$OUT/reference-logits.safetensors" tests/data/exl2/reference-logits-causal.safetensors
 timeout 50 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_exl2.py > "$OUT/gpu_tests.log" 2>&1
 echo "== GPU tests rc=$? at $((SECONDS - t0)) s"; tail -12 "$OUT/gpu_tests.log"
 timeout 70 python3 - <<'EOF' 2>&1 | grep -v -i warn | tail -6
