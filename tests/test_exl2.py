@@ -251,3 +251,37 @@ def test_layer_planner_counts_exl2_linears_as_loaded() -> None:
         loaded = sum(t.nbytes if isinstance(t, EXL2Weight) else t.numel() * t.element_size() for t in layer.tensors())
         assert sizes.layer(i, 4) == loaded
     assert not sizes.tied() and sizes.linear("lm_head", 4) == lm.model.lm_head.nbytes
+
+
+def test_older_conversions_without_quantization_config_load_by_their_tensors(tmp_path: Path) -> None:
+    """exllamav2 releases before the converter wrote quantization_config: the q_weight tensors say EXL2, and the
+    United folder check accepts the folder."""
+    from kobold_backend.host.backend import check_model_folder
+
+    dest = tmp_path / "old"
+    shutil.copytree(folder("4.0"), dest)
+    config = json.loads((dest / "config.json").read_text())
+    del config["quantization_config"]
+    (dest / "config.json").write_text(json.dumps(config))
+    assert check_model_folder(dest) is None
+    lm = load_model(dest, device="cpu", with_tokenizer=False)
+    assert lm.config.quant is not None and lm.config.quant.method == "exl2"
+    ref = load_model(folder("4.0"), device="cpu", with_tokenizer=False)
+    ids = PROMPT[:, :4]
+    assert torch.equal(lm.model.forward(ids, lm.model.new_cache()), ref.model.forward(ids, ref.model.new_cache()))
+
+
+def test_bench_writer_makes_a_loadable_4_bpw_folder_widest_groups_first(tmp_path: Path) -> None:
+    """The synthetic folder `kobold-backend bench --format exl2` times: it loads, its groups come widest first (as
+    exllamav2's kernels need, so the same folder runs there), and a Llama-shaped layer stack is about 4.0 bpw."""
+    from kobold_backend.bench.checkpoint import Shape
+    from kobold_backend.bench.exl2_checkpoint import write_synthetic_exl2
+
+    path = write_synthetic_exl2(tmp_path / "tiny", Shape(512, 1376, 2, 4, 4, 256), device="cpu")
+    lm = load_model(path, device="cpu", with_tokenizer=False)
+    for layer in lm.model.layers:
+        for w in layer.tensors():
+            if isinstance(w, EXL2Weight):
+                assert list(w.groups.bits) == sorted(w.groups.bits, reverse=True)
+    assert lm.weight_format is not None and lm.weight_format.name == "EXL2"
+    assert 3.9 < lm.weight_format.bits_per_weight < 4.3

@@ -53,6 +53,9 @@ class QuantConfig:
     method: str = "gptq"
 
 
+EXL2_QUANT = QuantConfig(bits=0, group_size=-1, sym=True, checkpoint_format="exl2", method="exl2")
+
+
 @dataclass
 class ModelConfig:
     hidden_size: int
@@ -312,7 +315,7 @@ def _quant_config(raw: Dict[str, Any], folder: Optional[Path], where: str) -> Op
     if method == "awq":
         return _awq_config(qc, where)
     if method == "exl2":
-        return QuantConfig(bits=0, group_size=-1, sym=True, checkpoint_format="exl2", method="exl2")
+        return EXL2_QUANT
     if method != "gptq":
         raise ModelFormatError(
             f"{where}: quantization method {method!r} is not supported; this engine runs 4-bit GPTQ, 4-bit AWQ, "

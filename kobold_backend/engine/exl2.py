@@ -6,10 +6,12 @@ Every malformed linear is refused here, before anything is moved to a device, wi
 
 from __future__ import annotations
 
-from typing import Dict
+import dataclasses
+from typing import Dict, Iterable
 
 import torch
 
+from kobold_backend.engine.config import EXL2_QUANT, ModelConfig
 from kobold_backend.engine.weights import WeightReader
 from kobold_backend.errors import ModelFormatError
 from kobold_backend.ops.exl2_weight import EXL2Weight, chunk_tables, group_table
@@ -21,6 +23,14 @@ TENSORS: Dict[str, torch.dtype] = {
     "q_groups": torch.int16,
     "q_invperm": torch.int32,
 }
+
+
+def with_exl2_detected(config: ModelConfig, names: Iterable[str]) -> ModelConfig:
+    """The config, marked EXL2 when its tensors are (conversions by older exllamav2 releases carry no
+    quantization_config in config.json)."""
+    if config.quant is None and any(name.endswith(".q_weight") for name in names):
+        return dataclasses.replace(config, quant=EXL2_QUANT)
+    return config
 
 
 def is_exl2_linear(reader: WeightReader, prefix: str) -> bool:

@@ -13,7 +13,7 @@ import torch
 from kobold_backend.engine.architectures import RopeSpec
 from kobold_backend.engine.awq import load_awq_linear
 from kobold_backend.engine.config import ModelConfig
-from kobold_backend.engine.exl2 import is_exl2_linear, load_exl2_linear
+from kobold_backend.engine.exl2 import is_exl2_linear, load_exl2_linear, with_exl2_detected
 from kobold_backend.engine.gguf.checkpoint import open_gguf
 from kobold_backend.engine.gguf.weights import GGUFWeights
 from kobold_backend.engine.gptq import load_gptq_linear
@@ -106,6 +106,7 @@ def load_model(
         config = ModelConfig.from_dir(folder)
         tokenizer = load_tokenizer(folder, config.bos_token_id, config.eos_token_ids) if with_tokenizer else None
         reader = WeightReader(folder)
+        config = with_exl2_detected(config, reader.names())
     with reader:
         main = resolve_device(device)
         compute_dtype = resolve_dtype(dtype, main, config)
@@ -206,8 +207,12 @@ class LayerLoader:
         reader, quant = self.reader, self.config.quant
         if isinstance(reader, GGUFWeights):
             return reader.linear(prefix, in_features, out_features, self.device, self.dtype)
-        if quant is not None and quant.method == "exl2" and is_exl2_linear(reader, prefix):
-            return load_exl2_linear(reader, prefix, in_features, out_features, self.dtype, self.device)
+        if quant is not None and quant.method == "exl2":
+            if is_exl2_linear(reader, prefix):
+                return load_exl2_linear(reader, prefix, in_features, out_features, self.dtype, self.device)
+            if f"{prefix}.weight" not in reader:
+                raise ModelFormatError(f"config.json says EXL2 but {prefix} has no EXL2 tensors ({prefix}.q_weight "
+                                       f"...) in {reader.folder}.")
         if quant is not None and quant.method == "awq" and f"{prefix}.qweight" in reader:
             return load_awq_linear(reader, prefix, in_features, out_features, quant, self.dtype, self.device)
         if quant is not None and f"{prefix}.qweight" in reader:
