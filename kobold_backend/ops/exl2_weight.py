@@ -120,21 +120,15 @@ def chunk_tables(groups: GroupTable) -> Optional[Tuple[torch.Tensor, torch.Tenso
     return torch.tensor(words, dtype=torch.int32), torch.tensor(owner, dtype=torch.int32)
 
 
-def unpack_rows(w: EXL2Weight) -> torch.Tensor:
-    """int64 [K, Np]: the quantized value of every stored row (before the permutation), each group at its width."""
-    g = w.groups
-    dev = w.q_weight.device
-    bits = torch.tensor([b for b, n in zip(g.bits, g.rows) for _ in range(n)], dtype=torch.int64, device=dev)
-    first = torch.tensor([q * 32 for q, n in zip(g.qrow, g.rows) for _ in range(n)], dtype=torch.int64, device=dev)
-    start = torch.tensor([r for r, n in zip(g.row, g.rows) for _ in range(n)], dtype=torch.int64, device=dev)
-    k = torch.arange(w.in_features, dtype=torch.int64, device=dev)
-    offset = first + (k - start) * bits  # bit position of each row in the column's stream
-    words = w.q_weight.to(torch.int64) & 0xFFFFFFFF
+def unpack_group(w: EXL2Weight, g: int) -> torch.Tensor:
+    """int64 [rows, Np]: the quantized values of group g's stored rows, row i at bits [i*b, i*b + b) of each
+    column's stream of words."""
+    b, rows, q0 = w.groups.bits[g], w.groups.rows[g], w.groups.qrow[g]
+    words = w.q_weight[q0 : q0 + -(-rows * b // 32)].to(torch.int64) & 0xFFFFFFFF
     words = torch.cat([words, torch.zeros_like(words[:1])])  # a value may read into the next word
+    offset = torch.arange(rows, dtype=torch.int64, device=words.device) * b
     lo, hi = words[offset // 32], words[offset // 32 + 1]
-    shift = (offset % 32).unsqueeze(1)
-    mask = ((1 << bits) - 1).unsqueeze(1)
-    return (((hi << 32) | lo) >> shift) & mask
+    return (((hi << 32) | lo) >> (offset % 32).unsqueeze(1)) & ((1 << b) - 1)
 
 
 def group_scales(w: EXL2Weight) -> torch.Tensor:
@@ -147,16 +141,15 @@ def group_scales(w: EXL2Weight) -> torch.Tensor:
 
 
 def exl2_dequantize(w: EXL2Weight) -> torch.Tensor:
-    """The fp16 weight [out_features, in_features], equal to exllamav2's reconstruction."""
-    g = w.groups
-    q = unpack_rows(w)
-    zero = torch.tensor([1 << (b - 1) for b, n in zip(g.bits, g.rows) for _ in range(n)], dtype=torch.int64,
-                        device=q.device).unsqueeze(1)
-    group_of_row = torch.tensor([i for i, n in enumerate(g.rows) for _ in range(n)], dtype=torch.int64,
-                                device=q.device)
-    stored = ((q - zero).float() * group_scales(w)[group_of_row]).half()
+    """The fp16 weight [out_features, in_features], equal to exllamav2's reconstruction (computed group by group,
+    so the temporaries stay the size of one group)."""
+    scales = group_scales(w)
+    stored = torch.empty((w.in_features, w.stored_columns), dtype=torch.float16, device=w.q_weight.device)
+    for g, (b, row, rows) in enumerate(zip(w.groups.bits, w.groups.row, w.groups.rows)):
+        q = unpack_group(w, g) - (1 << (b - 1))
+        stored[row : row + rows] = (q.float() * scales[g]).half()
     dense = torch.empty_like(stored)
-    dense[w.perm.to(q.device)] = stored
+    dense[w.perm.to(stored.device)] = stored
     return dense[:, : w.out_features].t().contiguous()
 
 
