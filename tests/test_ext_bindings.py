@@ -10,10 +10,24 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 
+from kobold_backend.engine.exl2 import load_exl2_linear
+from kobold_backend.engine.weights import WeightReader
 from kobold_backend.ops.cpu_kernels import CPU_SIGNATURES, CpuKernels
 from kobold_backend.ops.cuda_kernels import CUDA_SIGNATURES, CudaKernels
+from kobold_backend.ops.exl2_weight import EXL2Weight
 from kobold_backend.ops.marshal import call
 from tests.ext_helpers import make_gptq, random, rope_tables
+
+EXL2_DATA = Path(__file__).resolve().parent / "data" / "exl2" / "exl2-4.0"
+
+
+def exl2_linear() -> EXL2Weight:
+    """One linear of the exllamav2-made fixture (tests/test_exl2.py), fp16 bias-free, its words in fresh (aligned)
+    memory as on a GPU."""
+    with WeightReader(EXL2_DATA) as reader:
+        w = load_exl2_linear(reader, "model.layers.0.self_attn.q_proj", 256, 256, torch.float16, "cpu")
+    w.q_weight = w.q_weight.clone()
+    return w
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 BINDING = re.compile(r'm\.def\(\s*"(\w+)",\s*\[\]\(([^)]*)\)', re.S)
@@ -88,6 +102,9 @@ def test_cuda_wrappers_name_every_argument_of_their_kernel(monkeypatch: pytest.M
     k.rope_cache_write(q, kv, kv, cos, sin, 5, kc, vc)
     k.decode_attention(q[:, 0], kc, vc, 9, 0.25)
     k.silu_mul(x, x)
+    ew = exl2_linear()
+    k.exl2_matmul(random((2, ew.in_features), half, seed=4), ew)
+    k.exl2_dequantize(ew)
     assert sorted(module.calls) == sorted(CUDA_SIGNATURES)
     c = module.calls
     assert (c["rms_norm"]["rows"], c["rms_norm"]["d"], c["rms_norm"]["eps"]) == (2, 64, pytest.approx(1e-5))
@@ -102,6 +119,10 @@ def test_cuda_wrappers_name_every_argument_of_their_kernel(monkeypatch: pytest.M
     att = c["decode_attention"]
     assert (att["hq"], att["hkv"], att["seq_len"], att["scale"], att["pos_dev"]) == (4, 2, 9, 0.25, 0)
     assert c["silu_mul"]["n"] == x.numel()
+    eg = c["exl2_gemv"]
+    assert (eg["rows"], eg["k"], eg["n"], eg["n_stored"]) == (2, 256, 256, 256)
+    assert eg["chunks"] == ew.chunks.data_ptr() and eg["perm"] == ew.perm.data_ptr() and eg["ws"] == (1, 2, 3, 4)
+    assert c["exl2_dequantize"]["q_scale_max"] == ew.q_scale_max.data_ptr()
 
 
 def test_cpu_wrappers_name_every_argument_of_their_kernel() -> None:

@@ -7,6 +7,7 @@
 
 #include "kb_common.h"
 #include "ops_cuda.h"
+#include "ops_exl2.h"
 
 namespace py = pybind11;
 namespace kc = kb::cuda;
@@ -62,6 +63,29 @@ PYBIND11_MODULE(_ext_cuda, m) {
                        ptr<const void>(bias), ptr<void>(out), workspace(ws), device, stream, variant};
         py::gil_scoped_release release;
         kc::gptq_gemv(a);
+    });
+
+    m.def("exl2_gemv", [](std::uintptr_t x, int64_t x_stride, int64_t rows, int64_t k, std::uintptr_t perm,
+                          std::uintptr_t q_weight, int64_t n, int64_t n_stored, std::uintptr_t q_scale,
+                          std::uintptr_t q_scale_max, std::uintptr_t chunks, std::uintptr_t chunk_groups,
+                          std::uintptr_t bias, std::uintptr_t out, py::tuple ws, int device, std::uintptr_t stream) {
+        kc::Exl2Args a{ptr<const void>(x), x_stride, rows, k, ptr<const int64_t>(perm), ptr<const uint32_t>(q_weight),
+                       n, n_stored, ptr<const uint32_t>(q_scale), ptr<const void>(q_scale_max),
+                       ptr<const int32_t>(chunks), ptr<const int32_t>(chunk_groups), ptr<const void>(bias),
+                       ptr<void>(out), workspace(ws), device, stream};
+        py::gil_scoped_release release;
+        kc::exl2_gemv(a);
+    });
+
+    m.def("exl2_dequantize", [](int64_t k, std::uintptr_t perm, std::uintptr_t q_weight, int64_t n, int64_t n_stored,
+                                std::uintptr_t q_scale, std::uintptr_t q_scale_max, std::uintptr_t chunks,
+                                std::uintptr_t chunk_groups, std::uintptr_t out, int device, std::uintptr_t stream) {
+        kc::Exl2Args a{nullptr, 0, 0, k, ptr<const int64_t>(perm), ptr<const uint32_t>(q_weight), n, n_stored,
+                       ptr<const uint32_t>(q_scale), ptr<const void>(q_scale_max), ptr<const int32_t>(chunks),
+                       ptr<const int32_t>(chunk_groups), nullptr, ptr<void>(out), kc::Workspace{nullptr, 0, nullptr, 0},
+                       device, stream};
+        py::gil_scoped_release release;
+        kc::exl2_dequantize(a);
     });
 
     m.def(

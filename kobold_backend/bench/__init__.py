@@ -36,6 +36,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="checkpoint folder (default: build a synthetic GPTQ one of --preset's shape)")
     p.add_argument("--preset", default="llama2-7b", choices=sorted(PRESETS), help="shape of the synthetic checkpoint")
     p.add_argument("--act-order", action="store_true", help="synthetic checkpoint with act-order g_idx")
+    p.add_argument("--format", choices=("gptq", "exl2"), default="gptq",
+                   help="format of the synthetic checkpoint: GPTQ 4-bit, or EXL2 at 4.0 bpw (exllamav2's mixed widths)")
     p.add_argument("--group-size", type=int_at_least(1), default=128, metavar="N",
                    help="GPTQ group size of the synthetic checkpoint")
     p.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N")
@@ -90,6 +92,12 @@ def run_bench(args: argparse.Namespace) -> int:
     quick = args.quick or args.preset.startswith("tiny")
     with tempfile.TemporaryDirectory(prefix="kobold-bench-") as tmp:
         path = args.model
+        if path is None and args.format == "exl2":
+            from kobold_backend.bench.exl2_checkpoint import write_synthetic_exl2
+
+            log.info("writing a synthetic %s EXL2 4.0 bpw checkpoint", args.preset)
+            path = str(write_synthetic_exl2(Path(tmp) / args.preset, PRESETS[args.preset],
+                                            device="cpu" if args.device == "cpu" else None))
         if path is None:
             log.info("writing a synthetic %s GPTQ checkpoint%s", args.preset, " (act-order)" if args.act_order else "")
             path = str(write_synthetic_gptq(Path(tmp) / args.preset, PRESETS[args.preset], args.group_size,
@@ -98,7 +106,7 @@ def run_bench(args: argparse.Namespace) -> int:
                      max_seq_len=256) if quick else {}
         log.info("measuring kobold-backend")
         result: Dict[str, Any] = {"environment": environment(), "preset": None if args.model else args.preset,
-                                  "act_order": args.act_order, "model": args.model,
+                                  "act_order": args.act_order, "format": args.format, "model": args.model,
                                   "kobold_backend": bench_engine(path, args.device, use_graphs=not args.no_graphs,
                                                                  **shape)}
         if args.compare:

@@ -42,7 +42,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Quantization settings: `method` "gptq" (4 or 8 bits) or "awq" (AutoAWQ GEMM, 4-bit with zero points)."""
+    """Quantization settings: `method` "gptq" (4 or 8 bits), "awq" (AutoAWQ GEMM, 4-bit with zero points) or
+    "exl2" (exllamav2's mixed 2-8 bit groups; `bits` 0, each linear carries its own widths)."""
 
     bits: int = 4
     group_size: int = -1
@@ -50,6 +51,9 @@ class QuantConfig:
     sym: bool = True
     checkpoint_format: str = "gptq"
     method: str = "gptq"
+
+
+EXL2_QUANT = QuantConfig(bits=0, group_size=-1, sym=True, checkpoint_format="exl2", method="exl2")
 
 
 @dataclass
@@ -315,10 +319,12 @@ def _quant_config(raw: Dict[str, Any], folder: Optional[Path], where: str) -> Op
     method = str(qc.get("quant_method", "awq" if "w_bit" in qc else "gptq")).lower()
     if method == "awq":
         return _awq_config(qc, where)
+    if method == "exl2":
+        return EXL2_QUANT
     if method != "gptq":
         raise ModelFormatError(
-            f"{where}: quantization method {method!r} is not supported; this engine runs 4-bit GPTQ, 4-bit AWQ "
-            "and dense fp16/bf16/fp32 checkpoints."
+            f"{where}: quantization method {method!r} is not supported; this engine runs 4-bit GPTQ, 4-bit AWQ, "
+            "EXL2 and dense fp16/bf16/fp32 checkpoints."
         )
     fmt = str(qc.get("checkpoint_format", "gptq")).lower()
     if fmt not in ("gptq", "gptq_v2"):

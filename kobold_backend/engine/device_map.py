@@ -109,6 +109,8 @@ class Sizes:
     def linear(self, prefix: str, elem: int, with_bias: bool = True) -> int:
         bias = self.shapes.get(f"{prefix}.bias") if with_bias else None
         extra = _numel(bias) * elem if bias is not None else 0
+        if f"{prefix}.q_weight" in self.shapes:
+            return self._exl2(prefix) + extra
         if not self._gptq(prefix):
             return _numel(self._shape(f"{prefix}.weight")) * elem + extra
         k8, n = self._shape(f"{prefix}.qweight")
@@ -118,6 +120,13 @@ class Sizes:
         if self.config.quant.desc_act and f"{prefix}.g_idx" in self.shapes:
             total += k8 * 8 * 8  # int64 row permutation
         return total + extra
+
+    def _exl2(self, prefix: str) -> int:
+        """An EXL2 linear as engine/exl2.py keeps it: its tensors as stored, an int64 row permutation and the
+        chunk tables (12 bytes per 32 rows)."""
+        k = self._shape(f"{prefix}.q_invperm")[0]
+        stored = {"q_weight": 4, "q_scale": 4, "q_scale_max": 2, "q_groups": 2}
+        return sum(_numel(self._shape(f"{prefix}.{t}")) * size for t, size in stored.items()) + 8 * k + 12 * (k // 32)
 
     def layer(self, index: int, elem: int) -> int:
         """Every tensor under `model.layers.N.`, whatever the architecture names it (norms, biases, dense or GPTQ
@@ -129,6 +138,8 @@ class Sizes:
                 continue
             if name.endswith(".qweight"):
                 total += self.linear(name[: -len(".qweight")], elem, with_bias=False)
+            elif name.endswith(".q_weight"):
+                total += self._exl2(name[: -len(".q_weight")])
             elif name.endswith((".weight", ".bias")):
                 total += _numel(shape) * elem
         return total
@@ -147,8 +158,8 @@ class Sizes:
         return _numel(self._shape("model.embed_tokens.weight")) * elem
 
     def tied(self) -> bool:
-        return self.config.tie_word_embeddings or ("lm_head.weight" not in self.shapes
-                                                   and "lm_head.qweight" not in self.shapes)
+        return self.config.tie_word_embeddings or not any(
+            f"lm_head.{t}" in self.shapes for t in ("weight", "qweight", "q_weight"))
 
     def head(self, elem: int, shares_embed: bool) -> int:
         """Final norm and lm_head; a tied head costs nothing when it can reuse the embedding tensor."""
@@ -169,6 +180,8 @@ class Sizes:
             if name.startswith("model.layers.0.") and name.endswith(".qweight") and self.config.quant is not None:
                 k8, n = shape
                 dq = max(dq, k8 * 8 * n * (4 + elem))
+            if name.startswith("model.layers.0.") and name.endswith(".q_weight"):
+                dq = max(dq, self._shape(name[: -len("q_weight")] + "q_invperm")[0] * shape[1] * 2)  # fp16 [K, N]
         return acts + gqa + dq
 
     def head_working(self, elem: int) -> int:

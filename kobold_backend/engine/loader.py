@@ -13,6 +13,7 @@ import torch
 from kobold_backend.engine.architectures import RopeSpec
 from kobold_backend.engine.awq import load_awq_linear
 from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.exl2 import is_exl2_linear, load_exl2_linear, with_exl2_detected
 from kobold_backend.engine.gguf.checkpoint import open_gguf
 from kobold_backend.engine.gguf.weights import GGUFWeights
 from kobold_backend.engine.gptq import load_gptq_linear
@@ -22,6 +23,7 @@ from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
 from kobold_backend.engine.weight_format import WeightFormat, describe
 from kobold_backend.engine.weights import WeightReader
 from kobold_backend.errors import ModelFormatError
+from kobold_backend.ops.exl2_weight import EXL2Weight
 from kobold_backend.ops.ggml import GGMLWeight
 from kobold_backend.ops.gptq_weight import GPTQWeight
 
@@ -104,6 +106,7 @@ def load_model(
         config = ModelConfig.from_dir(folder)
         tokenizer = load_tokenizer(folder, config.bos_token_id, config.eos_token_ids) if with_tokenizer else None
         reader = WeightReader(folder)
+        config = with_exl2_detected(config, reader.names())
     with reader:
         main = resolve_device(device)
         compute_dtype = resolve_dtype(dtype, main, config)
@@ -199,11 +202,17 @@ class LayerLoader:
         return t.to(device=self.device, dtype=self.dtype).contiguous()
 
     def linear(self, name: str, in_features: int, out_features: int) -> Weight:
-        """A projection `name` (e.g. `mlp.down_proj`): GPTQ when the checkpoint quantized it, else dense."""
+        """A projection `name` (e.g. `mlp.down_proj`): GPTQ/AWQ/EXL2 when the checkpoint quantized it, else dense."""
         prefix = self.name(name)
         reader, quant = self.reader, self.config.quant
         if isinstance(reader, GGUFWeights):
             return reader.linear(prefix, in_features, out_features, self.device, self.dtype)
+        if quant is not None and quant.method == "exl2":
+            if is_exl2_linear(reader, prefix):
+                return load_exl2_linear(reader, prefix, in_features, out_features, self.dtype, self.device)
+            if f"{prefix}.weight" not in reader:
+                raise ModelFormatError(f"config.json says EXL2 but {prefix} has no EXL2 tensors ({prefix}.q_weight "
+                                       f"...) in {reader.folder}.")
         if quant is not None and quant.method == "awq" and f"{prefix}.qweight" in reader:
             return load_awq_linear(reader, prefix, in_features, out_features, quant, self.dtype, self.device)
         if quant is not None and f"{prefix}.qweight" in reader:
@@ -229,7 +238,7 @@ def _load_layer(ctx: LayerLoader, index: int) -> Layer:
                              f"({', '.join(Layer.PROJECTIONS)}); list it in mlp_linears and load it in build_mlp")
         weights[name] = ctx.linear(lin.prefix, lin.in_features, lin.out_features)
         out_features.update(dict(lin.parts))
-        if name in layout.biased and not isinstance(weights[name], (GPTQWeight, GGMLWeight)):
+        if name in layout.biased and not isinstance(weights[name], (GPTQWeight, GGMLWeight, EXL2Weight)):
             biases[name] = ctx.dense(f"{lin.prefix}.bias", (lin.out_features,))
     offset = config.features.norm_offset
     norms = {field_name: ctx.dense(f"{ckpt}.weight", (size,), offset)
@@ -279,7 +288,7 @@ def _build(
         tick(f"layer {i + 1}/{config.num_layers}")
     head_dt = _dtype_for(main, dtype)
     norm = top(main, head_dt).dense("norm.weight", (h,), config.features.norm_offset)
-    if config.tie_word_embeddings or "lm_head.weight" not in reader and "lm_head.qweight" not in reader:
+    if config.tie_word_embeddings or not any(f"lm_head.{t}" in reader for t in ("weight", "qweight", "q_weight")):
         if not config.tie_word_embeddings:
             raise ModelFormatError(
                 f"Tensor lm_head.weight is missing from the checkpoint in {reader.folder} "

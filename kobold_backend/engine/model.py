@@ -19,6 +19,7 @@ from kobold_backend import ops
 from kobold_backend.engine.cache import KVCache
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.fuse import concat_outputs
+from kobold_backend.ops.exl2_weight import EXL2Weight
 from kobold_backend.ops.ggml import GGMLWeight
 from kobold_backend.ops.gptq_weight import GPTQWeight
 from kobold_backend.ops.reference import rotate_half
@@ -26,7 +27,7 @@ from kobold_backend.ops.reference import rotate_half
 if TYPE_CHECKING:
     from kobold_backend.engine.passthrough.base import ForwardHooks
 
-Weight = Union[torch.Tensor, GPTQWeight, GGMLWeight]
+Weight = Union[torch.Tensor, GPTQWeight, GGMLWeight, EXL2Weight]
 
 ACTIVATIONS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "silu": ops.silu_mul,
@@ -35,8 +36,8 @@ ACTIVATIONS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 
 
 def project(x: torch.Tensor, w: Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [..., K] @ w (+ bias) -> [..., N] for a dense weight [N, K], a GPTQ or a GGML block layer (both hold their
-    own bias)."""
+    """x [..., K] @ w (+ bias) -> [..., N] for a dense weight [N, K], a GPTQ, GGML block or EXL2 layer (those hold
+    their own bias)."""
     if isinstance(w, GPTQWeight):
         shape = x.shape
         y = ops.gptq_matmul(x.reshape(-1, shape[-1]), w)
@@ -44,6 +45,9 @@ def project(x: torch.Tensor, w: Weight, bias: Optional[torch.Tensor] = None) -> 
     if isinstance(w, GGMLWeight):
         shape = x.shape
         return ops.ggml_matmul(x.reshape(-1, shape[-1]), w).view(*shape[:-1], w.out_features)
+    if isinstance(w, EXL2Weight):
+        shape = x.shape
+        return ops.exl2_matmul(x.reshape(-1, shape[-1]), w).view(*shape[:-1], w.out_features)
     return ops.linear(x, w, bias)
 
 
@@ -52,11 +56,11 @@ GATE_UP = ("gate_proj", "up_proj")
 
 
 def _out_features(w: Weight) -> int:
-    return w.out_features if isinstance(w, (GPTQWeight, GGMLWeight)) else int(w.shape[0])
+    return w.out_features if isinstance(w, (GPTQWeight, GGMLWeight, EXL2Weight)) else int(w.shape[0])
 
 
 def _size(w: Any) -> int:
-    if isinstance(w, (GPTQWeight, GGMLWeight)):
+    if isinstance(w, (GPTQWeight, GGMLWeight, EXL2Weight)):
         return w.nbytes
     return w.numel() * w.element_size()
 

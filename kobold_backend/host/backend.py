@@ -99,7 +99,7 @@ def check_model_folder(path: Path) -> Optional[str]:
     q = f"model.layers.0.{first.prefix}"
     if f"{q}.qweight" in names and config.quant is None:
         return f"{path} holds GPTQ tensors but no quantization config"
-    if f"{q}.weight" not in names and f"{q}.qweight" not in names:
+    if not any(f"{q}.{t}" in names for t in ("weight", "qweight", "q_weight")):  # dense, GPTQ/AWQ, EXL2
         return f"{path} has no {q} weights"
     return None
 

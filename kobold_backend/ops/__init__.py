@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional, Tuple
 import torch
 
 from kobold_backend.ops import native, reference
+from kobold_backend.ops.exl2_weight import EXL2Weight, exl2_dequantize
 from kobold_backend.ops.ggml import ggml_matmul
 from kobold_backend.ops.reference import attention, linear
 
@@ -22,6 +23,7 @@ __all__ = [
     "attention",
     "decode_attention",
     "decode_attention_at",
+    "exl2_matmul",
     "gelu_tanh_mul",
     "ggml_matmul",
     "gptq_dequantize",
@@ -57,6 +59,15 @@ def add_rms_norm(
 def gptq_matmul(x: torch.Tensor, w: GPTQWeight) -> torch.Tensor:
     k = _kernels(x) if w.bits == 4 else None  # the kernels read 4-bit words
     return reference.gptq_matmul(x, w) if k is None else k.gptq_matmul(x, w)
+
+
+def exl2_matmul(x: torch.Tensor, w: EXL2Weight) -> torch.Tensor:
+    """x [M, K] @ w.T (+ bias): the CUDA kernels for fp16 on the GPU, else dequantize (torch) and one matmul."""
+    k = native.cuda_kernels() if x.is_cuda else None
+    if k is not None:
+        return k.exl2_matmul(x, w)
+    y = x @ exl2_dequantize(w).to(x.dtype).t()
+    return y if w.bias is None else y + w.bias.to(y.dtype)
 
 
 def gptq_dequantize(w: GPTQWeight) -> torch.Tensor:

@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from kobold_backend.ops import reference
+from kobold_backend.ops.exl2_weight import exl2_dequantize as reference_exl2
 from kobold_backend.ops.marshal import (
     DTYPE_CODES,
     GEMV_MAX_ROWS,
@@ -26,6 +27,7 @@ CUDA_CODES: Dict[torch.dtype, int] = {torch.float16: 1}
 # Scratch per (device, stream) for split-K GEMV and split-sequence attention: 16 MiB + 256 KiB.
 WS_FLOATS = 1 << 22
 WS_COUNTERS = 1 << 16
+EXL2_GEMV_MAX_ROWS = 4  # rows the EXL2 GEMV takes (csrc/cuda/exl2.cu); more go through dequantize + matmul
 
 # gptq_gemv's `variant`: chosen by shape, or one kernel forced (the whole-K ones only where their shape check
 # passes; the 512-thread one takes 1 or 2 rows).
@@ -36,6 +38,10 @@ CUDA_SIGNATURES: Dict[str, Tuple[str, ...]] = {
     "gptq_gemv": ("x", "x_stride", "rows", "k", "perm", "qweight", "n", "scales", "zeros", "group_size", "groups",
                   "bias", "out", "ws", "variant", "device", "stream"),
     "gptq_dequantize": ("qweight", "k", "n", "scales", "zeros", "group_size", "groups", "out", "device", "stream"),
+    "exl2_gemv": ("x", "x_stride", "rows", "k", "perm", "q_weight", "n", "n_stored", "q_scale", "q_scale_max",
+                  "chunks", "chunk_groups", "bias", "out", "ws", "device", "stream"),
+    "exl2_dequantize": ("k", "perm", "q_weight", "n", "n_stored", "q_scale", "q_scale_max", "chunks",
+                        "chunk_groups", "out", "device", "stream"),
     "rms_norm": ("x", "x_stride", "residual", "r_stride", "rows", "d", "weight", "w_dtype", "eps", "y",
                  "residual_out", "device", "stream"),
     "rope_cache_write": ("q", "k", "v", "qs", "ks", "vs", "b", "t", "hq", "hkv", "d", "cos", "sin", "cs_dtype",
@@ -139,6 +145,38 @@ class CudaKernels:
                    scales=w.scales.data_ptr(), zeros=w.zeros.data_ptr(), group_size=w.group_size,
                    groups=w.scales.shape[0], bias=0 if w.bias is None else w.bias.data_ptr(), out=y.data_ptr(),
                    variant=variant)
+        return y
+
+    def exl2_dequantize(self, w: Any) -> torch.Tensor:
+        """fp16 [K, N] in input-feature order (the torch reference when the groups are not whole 32-row chunks)."""
+        if w.chunks is None or w.in_features % 32:
+            return reference_exl2(w).t()
+        dev = w.q_weight.device
+        y = torch.empty((w.in_features, w.out_features), dtype=torch.float16, device=dev)
+        self._call("exl2_dequantize", dev, k=w.in_features, perm=w.perm.data_ptr(), q_weight=w.q_weight.data_ptr(),
+                   n=w.out_features, n_stored=w.stored_columns, q_scale=w.q_scale.data_ptr(),
+                   q_scale_max=w.q_scale_max.data_ptr(), chunks=w.chunks.data_ptr(),
+                   chunk_groups=w.chunk_groups.data_ptr(), out=y.data_ptr())
+        return y
+
+    def exl2_matmul(self, x: torch.Tensor, w: Any) -> torch.Tensor:
+        """x [M, K] fp16 @ w.T (+ bias): the GEMV for 1..4 rows, else dequantize + one matmul."""
+        if x.dim() != 2 or x.shape[1] != w.in_features or x.dtype != torch.float16:
+            y = x @ reference_exl2(w).to(x.dtype).t()
+            return y if w.bias is None else y + w.bias.to(y.dtype)
+        m = x.shape[0]
+        gemv_ok = (1 <= m <= EXL2_GEMV_MAX_ROWS and w.chunks is not None and w.stored_columns % 32 == 0
+                   and w.q_weight.data_ptr() % 16 == 0 and (w.bias is None or w.bias.dtype == torch.float16))
+        if not gemv_ok:
+            y = torch.matmul(x, self.exl2_dequantize(w))
+            return y if w.bias is None else y + w.bias.to(y.dtype)
+        x2 = last_contiguous(x)
+        y = torch.empty((m, w.out_features), dtype=torch.float16, device=x.device)
+        self._call("exl2_gemv", x.device, x=x2.data_ptr(), x_stride=x2.stride(0), rows=m, k=w.in_features,
+                   perm=w.perm.data_ptr(), q_weight=w.q_weight.data_ptr(), n=w.out_features,
+                   n_stored=w.stored_columns, q_scale=w.q_scale.data_ptr(), q_scale_max=w.q_scale_max.data_ptr(),
+                   chunks=w.chunks.data_ptr(), chunk_groups=w.chunk_groups.data_ptr(),
+                   bias=0 if w.bias is None else w.bias.data_ptr(), out=y.data_ptr())
         return y
 
     def _dequant_matmul(self, x: torch.Tensor, w: Any) -> torch.Tensor:
