@@ -4,9 +4,9 @@ package-internal imports (module level, inside functions, under TYPE_CHECKING, a
 package module, such as a table of subcommand modules) form a graph between rooms, and the rules written down in
 docs/architecture.md are applied to it.
 
-A room is the first name under kobold_backend/ (`engine`, `ops`, `server`, ...); top-level modules named
-`cli` or `cli_*` together form the `cli` room. Rooms not named in a rule (errors, progress, wheels, demo, ...)
-may import and be imported freely, as long as no circle between rooms appears.
+A room is the first name under kobold_backend/ (`engine`, `ops`, `server`, `cli`, ...). Rooms not named in a
+rule (errors, progress, wheels, demo, ...) may import and be imported freely, as long as no circle between rooms
+appears.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def module_name(path: Path, root: Path) -> str:
 
 
 def room_of(module: str) -> Optional[str]:
-    """`kobold_backend.engine.gptq` -> 'engine'; `kobold_backend.cli_serve` -> 'cli'; 'tests' for the tests;
+    """`kobold_backend.engine.gptq` -> 'engine'; `kobold_backend.cli.serve` -> 'cli'; 'tests' for the tests;
     None for modules outside both (the standard library, third parties)."""
     parts = module.split(".")
     if parts[0] == "tests":
@@ -61,8 +61,7 @@ def room_of(module: str) -> Optional[str]:
         return None
     if len(parts) == 1:
         return PACKAGE
-    name = parts[1]
-    return "cli" if name == "cli" or name.startswith("cli_") else name
+    return parts[1]
 
 
 def _resolve_relative(current: str, is_package: bool, level: int, module: Optional[str]) -> str:

@@ -12,69 +12,15 @@ import importlib
 import importlib.util
 import logging
 import sys
-from typing import TYPE_CHECKING, List, Optional
+from typing import List, Optional
 
 from kobold_backend import __version__
-from kobold_backend.cli_split import add_split_arguments, split_from_args
+from kobold_backend.cli.model_args import add_model_arguments, load_from_args
+from kobold_backend.cli.serve import add_serve_parser, run_serve
 from kobold_backend.errors import KoboldBackendError
-from kobold_backend.flag_types import (
-    ArgumentParser,
-    HelpFormatter,
-    device_name,
-    dtype_name,
-    existing_path,
-    float_in,
-    int_at_least,
-)
-from kobold_backend.progress import stderr_progress
-
-if TYPE_CHECKING:
-    from kobold_backend.engine.loader import LoadedModel
+from kobold_backend.flag_types import ArgumentParser, HelpFormatter, float_in, int_at_least
 
 log = logging.getLogger("kobold_backend")
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by every subcommand that loads a model."""
-    parser.add_argument("--model", type=existing_path, metavar="PATH",
-                        help="model folder (safetensors: dense, GPTQ, AWQ) or a .gguf file (default: the built-in "
-                             "demo model)")
-    parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", type=dtype_name, default=None, metavar="{float16,bfloat16,float32}",
-                        help="compute dtype (default: float16 on a GPU, bfloat16 for bf16 checkpoints, float32 on "
-                             "the CPU)")
-    parser.add_argument("--max-context", type=int_at_least(2), default=None, metavar="N",
-                        help="KV cache size in tokens, at least 2 (default: the model's max_position_embeddings, "
-                             "at most 8192)")
-    parser.add_argument("--rope-alpha", type=float_in(0, above=True), default=1.0, help="NTK RoPE alpha (exllama's -a)")
-    parser.add_argument("--compress-pos-emb", type=float_in(0, above=True), default=1.0,
-                        help="linear RoPE compression factor")
-    parser.add_argument("--embed-on-cpu", action="store_true", help="keep the embedding table in system RAM")
-    add_split_arguments(parser)
-
-
-def load_from_args(args: argparse.Namespace) -> LoadedModel:
-    """Load --model (or build the demo model) with progress on stderr."""
-    from kobold_backend.engine.loader import load_model
-
-    path = args.model
-    if path is None:
-        from kobold_backend.demo import ensure_demo_model
-
-        path = ensure_demo_model(progress=stderr_progress("building demo model"))
-        log.warning("no --model given: using the built-in demo model at %s", path)
-    layer_devices = split_from_args(args, path, args.max_context)
-    return load_model(
-        path,
-        device=args.device,
-        layer_devices=layer_devices,
-        dtype=args.dtype,
-        max_seq_len=args.max_context,
-        embed_on_cpu=args.embed_on_cpu,
-        rope_alpha=args.rope_alpha,
-        compress_pos_emb=args.compress_pos_emb,
-        progress=stderr_progress("loading"),
-    )
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -135,7 +81,7 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_optional(sub: argparse._SubParsersAction, module: str, adder: str, runner: str) -> None:
-    """Subcommands that live in their own modules (serve, host, wheels, bench)."""
+    """Subcommands that live in other rooms (host, wheels, bench), added when their module is present."""
     if importlib.util.find_spec(module) is None:
         return
     mod = importlib.import_module(module)
@@ -145,7 +91,6 @@ def _add_optional(sub: argparse._SubParsersAction, module: str, adder: str, runn
 
 
 SUBCOMMANDS = [
-    ("kobold_backend.cli_serve", "add_serve_parser", "run_serve"),
     ("kobold_backend.host.install", "add_install_plugin_parser", "run_install_plugin"),
     ("kobold_backend.wheels", "add_install_ext_parser", "run_install_ext"),
     ("kobold_backend.bench", "add_bench_parser", "run_bench"),
@@ -160,6 +105,7 @@ def build_parser() -> ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
     _add_doctor(sub)
+    add_serve_parser(sub).set_defaults(func=run_serve)
     for module, adder, runner in SUBCOMMANDS:
         _add_optional(sub, module, adder, runner)
     for command in sub.choices.values():
