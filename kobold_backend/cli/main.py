@@ -12,7 +12,7 @@ import importlib
 import importlib.util
 import logging
 import sys
-from typing import List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from kobold_backend import __version__
 from kobold_backend.cli.model_args import add_model_arguments, load_from_args
@@ -20,23 +20,33 @@ from kobold_backend.cli.serve import add_serve_parser, run_serve
 from kobold_backend.errors import KoboldBackendError
 from kobold_backend.flag_types import ArgumentParser, HelpFormatter, float_in, int_at_least
 
+if TYPE_CHECKING:
+    from kobold_backend.engine.request import GenerationRequest
+
 log = logging.getLogger("kobold_backend")
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    from kobold_backend.engine.generator import GenerationRequest, Generator
+def generate_request(args: argparse.Namespace, tokenizer: Any) -> GenerationRequest:
+    """`generate`'s flags as the engine's request (the prompt is not trimmed: the generator refuses one that does
+    not fit)."""
+    from kobold_backend.engine.request import GenerationRequest
     from kobold_backend.engine.sampling import SamplerSettings
 
-    lm = load_from_args(args)
-    generator = Generator(lm.model, lm.tokenizer)
     settings = SamplerSettings(
         temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
         rep_pen=args.rep_pen,
     )
-    prompt_ids = lm.tokenizer.encode(args.prompt, add_bos=True)
-    request = GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=args.max_new_tokens, settings=settings,
-                                seed=args.seed, stop_strings=tuple(args.stop or ()))
-    for event in generator.stream(request):
+    return GenerationRequest(prompt_ids=tokenizer.encode(args.prompt, add_bos=True),
+                             max_new_tokens=args.max_new_tokens, settings=settings, seed=args.seed,
+                             stop_strings=tuple(args.stop or ()))
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from kobold_backend.engine.generator import Generator
+
+    lm = load_from_args(args)
+    generator = Generator(lm.model, lm.tokenizer)
+    for event in generator.stream(generate_request(args, lm.tokenizer)):
         sys.stdout.write(event.text)
         sys.stdout.flush()
     sys.stdout.write("\n")

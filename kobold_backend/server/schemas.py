@@ -1,12 +1,12 @@
 """The KoboldAI/KoboldCpp generation body: one field table drives validation (422 per field), the
-GenerationRequest built from it (context fitting, memory, stops, bans) and the OpenAPI schema."""
+GenerationRequest built from it (`kobold_request`; context fitting is the engine's, engine/request.py) and the
+OpenAPI schema."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import random
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -362,34 +362,7 @@ def sampler_settings(params: GenerateParams) -> Any:
     return SamplerSettings(**{k: val for k, val in wanted.items() if k in known})
 
 
-# -- context fitting and the engine request ----------------------------------------------------------
-
-def effective_lengths(params: GenerateParams, server_context: int, default_max_length: int) -> Tuple[int, int]:
-    """(context, max_new_tokens): the request's context capped by the server's, and max_length clamped so
-    that at least min(context - 4, 16) tokens (and never fewer than one) stay for the prompt."""
-    ctx = server_context if params.max_context_length is None else min(params.max_context_length, server_context)
-    ctx = max(2, ctx)
-    max_new = default_max_length if params.max_length is None else params.max_length
-    reserve = max(1, min(ctx - 4, 16))
-    return ctx, max(1, min(max_new, ctx - reserve))
-
-
-def fit_prompt(tokenizer: Any, memory: str, prompt: str, budget: int) -> List[int]:
-    """Token ids of BOS (when the tokenizer adds one) + memory + prompt in at most `budget` tokens; the prompt
-    loses tokens from its front first, then the memory does. Texts are tokenized from their end
-    (engine.tokenizer.encode_tail), so a prompt far longer than the context costs what the kept part costs."""
-    from kobold_backend.engine.tokenizer import encode_tail
-
-    bos = [int(i) for i in tokenizer.prefix_ids]
-    keep = max(0, budget - len(bos))
-    joint, whole = encode_tail(tokenizer, memory + prompt, keep)
-    if whole:
-        return bos + joint
-    mem, _ = encode_tail(tokenizer, memory, keep) if memory else ([], True)
-    room = keep - len(mem)
-    body, _ = encode_tail(tokenizer, prompt, room)
-    return bos + mem + body
-
+# -- the engine request ------------------------------------------------------------------------------------------
 
 def grammar_constraint(params: GenerateParams, tokenizer: Any) -> Any:
     """A fresh GrammarConstraint for `grammar` or `json_schema`, or None; RequestError (422) when it is invalid or
@@ -402,33 +375,30 @@ def grammar_constraint(params: GenerateParams, tokenizer: Any) -> Any:
     return GrammarConstraint.build(tokenizer, gbnf=gbnf, json_schema=params.json_schema)
 
 
-def build_requests(params: GenerateParams, tokenizer: Any, server_context: int, default_max_length: int,
-                   abort: Any = None) -> List[Any]:
-    """One GenerationRequest per completion (n); seeds are consecutive from sampler_seed (or random)."""
-    from kobold_backend.engine.generator import GenerationRequest
+def kobold_request(params: GenerateParams, tokenizer: Any, model_context: int, default_max_length: int,
+                   abort: Any = None) -> Any:
+    """The KoboldAI/KoboldCpp body as the engine's GenerationRequest: max_length clamped and memory + prompt
+    trimmed by the engine's context policy, singleline as a "\\n" stop, n completions (1 when streaming) seeded
+    from sampler_seed (or a random seed)."""
+    from kobold_backend.engine.request import GenerationRequest, fit_lengths, fit_text
 
-    ctx, max_new = effective_lengths(params, server_context, default_max_length)
-    prompt_ids = fit_prompt(tokenizer, params.memory, params.prompt, ctx - max_new)
+    wanted = default_max_length if params.max_length is None else params.max_length
+    budget, max_new = fit_lengths(model_context, wanted, params.max_context_length)
+    prompt_ids = fit_text(tokenizer, params.memory, params.prompt, budget)
     if not prompt_ids:
         raise RequestError("The prompt is empty and this model has no BOS token to start from.", "prompt")
-    stops = tuple(params.stop_sequence) + (("\n",) if params.singleline else ())
     negative: List[int] = []
     if params.negative_prompt and params.guidance_scale != 1.0:
-        negative = fit_prompt(tokenizer, "", params.negative_prompt, ctx - max_new)
-    seed = params.sampler_seed if params.sampler_seed >= 0 else random.getrandbits(63)
-    n = 1 if params.stream else params.n
-    return [
-        GenerationRequest(
-            prompt_ids=list(prompt_ids), max_new_tokens=max_new, settings=sampler_settings(params),
-            stop_strings=stops, ban_eos=params.use_default_badwordsids, bypass_eos=params.bypass_eos,
-            seed=(seed + i) % (MAX_SEED + 1), abort=abort, banned_strings=tuple(params.banned_tokens),
-            trim_stop=params.trim_stop, negative_prompt_ids=negative, guidance_scale=params.guidance_scale,
-            num_beams=params.num_beams, beam_length=params.beam_length,
-            grammar=grammar_constraint(params, tokenizer),
-            logprobs=KOBOLDCPP_TOP_LOGPROBS if params.logprobs else None,
-        )
-        for i in range(n)
-    ]
+        negative = fit_text(tokenizer, "", params.negative_prompt, budget)
+    return GenerationRequest(
+        prompt_ids=prompt_ids, max_new_tokens=max_new, settings=sampler_settings(params),
+        stop_strings=tuple(params.stop_sequence) + (("\n",) if params.singleline else ()),
+        ban_eos=params.use_default_badwordsids, bypass_eos=params.bypass_eos,
+        seed=params.sampler_seed, abort=abort, banned_strings=tuple(params.banned_tokens),
+        trim_stop=params.trim_stop, negative_prompt_ids=negative, guidance_scale=params.guidance_scale,
+        num_beams=params.num_beams, beam_length=params.beam_length, grammar=grammar_constraint(params, tokenizer),
+        logprobs=KOBOLDCPP_TOP_LOGPROBS if params.logprobs else None, n=1 if params.stream else params.n,
+    )
 
 
 def kobold_finish_reason(reason: Optional[str]) -> str:
