@@ -26,13 +26,6 @@ model_backend_type = "GPTQ"
 
 log = logging.getLogger(__name__)
 
-# United's koboldai_settings defaults, used when neither GenerationSettings nor koboldai_vars say otherwise.
-UNITED_DEFAULTS: Dict[str, Any] = {
-    "temp": 0.5, "top_p": 0.9, "top_k": 0, "tfs": 1.0, "typical": 1.0, "top_a": 0.0,
-    "rep_pen": 1.1, "rep_pen_slope": 1.0, "rep_pen_range": 2048, "sampler_order": [6, 0, 1, 2, 3, 4, 5],
-}
-
-
 def engine_problem() -> Optional[str]:
     """Why the engine cannot run in this interpreter (None when it can)."""
     try:
@@ -356,26 +349,13 @@ class KoboldBackendMixin:
     # ------------------------------------------------------------------ generation
 
     def _sampler_settings(self, gen_settings: Any, banned: Sequence[int]) -> Any:
+        """The sampler settings United sends (its names and defaults: engine/sampler_fields.py), United's
+        repetition-penalty rule, and the banned ids."""
+        from kobold_backend.engine.sampler_fields import united_values
         from kobold_backend.engine.sampling import SamplerSettings
 
-        def get(name: str) -> Any:
-            value = getattr(gen_settings, name, None) if gen_settings is not None else None
-            return UNITED_DEFAULTS[name] if value is None else value
-
-        return SamplerSettings(
-            temperature=float(get("temp")),
-            top_k=int(get("top_k")),
-            top_p=float(get("top_p")),
-            top_a=float(get("top_a")),
-            tfs=float(get("tfs")),
-            typical=float(get("typical")),
-            rep_pen=float(get("rep_pen")),
-            rep_pen_range=int(get("rep_pen_range")),
-            rep_pen_slope=float(get("rep_pen_slope")),
-            rep_pen_mode="kobold_united",
-            sampler_order=tuple(int(i) for i in get("sampler_order")),
-            banned_token_ids=tuple(sorted(set(banned))),
-        )
+        values = united_values(lambda name: getattr(gen_settings, name, None) if gen_settings is not None else None)
+        return SamplerSettings(**values, rep_pen_mode="kobold_united", banned_token_ids=tuple(sorted(set(banned))))
 
     def _banned_ids(self) -> Tuple[List[int], bool]:
         """(ids never sampled, whether EOS is banned): BOS always; EOS and every token with "[" or "]"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from kobold_backend.engine.logprobs import MAX_TOP_LOGPROBS
+from kobold_backend.engine.sampler_fields import openai_renames
 from kobold_backend.server.logprobs import KOBOLDCPP_TOP_LOGPROBS
 from kobold_backend.server.schemas import (
     FIELDS,
@@ -19,13 +20,12 @@ from kobold_backend.server.schemas import (
 )
 
 # OpenAI / SillyTavern names -> the KoboldAI field they set; the first one present wins, then the field's own
-# name and aliases.
+# name and aliases. The sampler settings' names come from engine/sampler_fields.py.
 RENAMES: Dict[str, Tuple[str, ...]] = {
     "max_length": ("max_tokens", "max_completion_tokens", "max_new_tokens"),
     "stop_sequence": ("stop", "stopping_strings"),
     "sampler_seed": ("seed",),
-    "typical": ("typical_p",),
-    "mirostat": ("mirostat_mode",),
+    **openai_renames(),
     "use_default_badwordsids": ("ignore_eos",),
 }
 # KoboldAI fields that do not apply: the prompt comes from prompt/messages, stop strings are always cut from the

@@ -4,12 +4,12 @@ OpenAPI schema."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from kobold_backend.engine.sampler_fields import BY_NAME, SAMPLER_FIELDS
 from kobold_backend.errors import RequestError
 from kobold_backend.server.logprobs import KOBOLDCPP_TOP_LOGPROBS
 
@@ -17,7 +17,6 @@ MAX_SEED = 2**64 - 1
 MAX_STOP_SEQUENCES = 32
 MAX_BANNED_STRINGS = 48
 MAX_LOGIT_BIASES = 32
-MAX_DRY_BREAKERS = 24
 
 
 class ValidationFailed(Exception):
@@ -45,7 +44,17 @@ class Field:
     required: bool = False
 
 
+def kobold_field(name: str) -> Field:
+    """The body key of the sampler setting `name`, as engine/sampler_fields.py declares it (KoboldCpp's default and
+    range, its aliases)."""
+    f = BY_NAME[name]
+    low, high = f.wire_range()
+    return Field(f.kobold or name, f.kind, f.wire_default(), f.doc, minimum=low, maximum=high,
+                 aliases=f.kobold_aliases, max_items=f.max_items)
+
+
 F = Field
+K = kobold_field
 FIELDS: Tuple[Field, ...] = (
     F("prompt", "string", None, "The text to continue.", required=True),
     F("memory", "string", "", "Text kept at the front of the context when the prompt is trimmed to fit."),
@@ -56,25 +65,19 @@ FIELDS: Tuple[Field, ...] = (
       minimum=1),
     F("n", "integer", 1, "Number of completions, generated one after another (streaming uses 1).",
       minimum=1, maximum=5),
-    F("temperature", "number", 0.7, "Sampling temperature; 0 picks the most likely token.", minimum=0),
-    F("top_k", "integer", 100, "Top-k (0 = off).", minimum=0),
-    F("top_p", "number", 0.92, "Top-p / nucleus (1 = off).", minimum=0, maximum=1),
-    F("top_a", "number", 0.0, "Top-a (0 = off).", minimum=0),
-    F("min_p", "number", 0.0, "Min-p (0 = off); runs with top-p in sampler slot 2.", minimum=0, maximum=1),
-    F("typical", "number", 1.0, "Typical sampling (1 = off).", minimum=0, maximum=1),
-    F("tfs", "number", 1.0, "Tail-free sampling (1 = off).", minimum=0, maximum=1),
-    F("rep_pen", "number", 1.0, "Repetition penalty (KoboldCpp semantics; 1 = off). Aliases "
-      "repeat_penalty and repetition_penalty; the largest value wins.", minimum=1,
-      aliases=("repeat_penalty", "repetition_penalty")),
-    F("rep_pen_range", "integer", 320, "Tokens looked back by the repetition penalty.", minimum=0),
-    F("rep_pen_slope", "number", 1.0, "Penalty factor of the older half of the range.", minimum=0),
-    F("presence_penalty", "number", 0.0, "Subtracted from every token seen in the range.", minimum=-100,
-      maximum=100),
-    F("frequency_penalty", "number", 0.0, "Subtracted per occurrence of a token in the range.", minimum=-100,
-      maximum=100),
-    F("sampler_order", "int_list", (6, 0, 1, 3, 4, 2, 5), "Sampler ids 0-6 (0 top-k, 1 top-a, 2 top-p/min-p, "
-      "3 tfs, 4 typical, 5 temperature, 6 rep pen); 6 is prepended when missing.", minimum=0, maximum=6,
-      max_items=7),
+    K("temperature"),
+    K("top_k"),
+    K("top_p"),
+    K("top_a"),
+    K("min_p"),
+    K("typical"),
+    K("tfs"),
+    K("rep_pen"),
+    K("rep_pen_range"),
+    K("rep_pen_slope"),
+    K("presence_penalty"),
+    K("frequency_penalty"),
+    K("sampler_order"),
     F("sampler_seed", "integer", -1, "Seed of the sampler's RNG; -1 = random.", minimum=-1, maximum=MAX_SEED),
     F("sampler_full_determinism", "boolean", False, "Accepted; every seeded request is deterministic here.",
       used=False),
@@ -84,21 +87,20 @@ FIELDS: Tuple[Field, ...] = (
       aliases=("ban_eos_token",)),
     F("bypass_eos", "boolean", False, "The EOS token may be sampled but does not end the generation."),
     F("singleline", "boolean", False, "Stop at the first newline (not included in the output)."),
-    F("mirostat", "integer", 0, "Mirostat mode 0 (off), 1 or 2.", minimum=0, maximum=2),
-    F("mirostat_tau", "number", 5.0, "Mirostat target surprise.", minimum=0),
-    F("mirostat_eta", "number", 0.1, "Mirostat learning rate.", minimum=0),
-    F("dry_multiplier", "number", 0.0, "DRY multiplier (0 = off).", minimum=0),
-    F("dry_base", "number", 1.75, "DRY base.", minimum=1),
-    F("dry_allowed_length", "integer", 2, "DRY: repeats up to this length are free.", minimum=0),
-    F("dry_penalty_last_n", "integer", 320, "DRY look-back (<= 0: the whole context).", minimum=-1),
-    F("dry_sequence_breakers", "string_list", ("\n", ":", '"', "*"), "DRY sequence breakers: a list or a JSON "
-      "string of a list (at most 24 are used).", max_items=MAX_DRY_BREAKERS),
-    F("xtc_threshold", "number", 0.2, "XTC threshold (> 0.5 turns XTC off).", minimum=0, maximum=1),
-    F("xtc_probability", "number", 0.0, "XTC probability (0 = off).", minimum=0, maximum=1),
-    F("dynatemp_range", "number", 0.0, "Dynamic temperature range (0 = off).", minimum=0),
-    F("dynatemp_exponent", "number", 1.0, "Dynamic temperature exponent.", minimum=0),
-    F("smoothing_factor", "number", 0.0, "Quadratic smoothing factor (0 = off).", minimum=0),
-    F("logit_bias", "bias_map", {}, "Token id -> bias added to its logit, clamped to [-100, 100] (at most 32)."),
+    K("mirostat"),
+    K("mirostat_tau"),
+    K("mirostat_eta"),
+    K("dry_multiplier"),
+    K("dry_base"),
+    K("dry_allowed_length"),
+    K("dry_penalty_last_n"),
+    K("dry_sequence_breakers"),
+    K("xtc_threshold"),
+    K("xtc_probability"),
+    K("dynatemp_range"),
+    K("dynatemp_exponent"),
+    K("smoothing_factor"),
+    K("logit_bias"),
     F("custom_token_bans", "string", "", "Comma-separated token ids that may not be generated."),
     F("banned_tokens", "string_list", (), "Strings that may not appear in the output (at most 48).",
       aliases=("banned_strings",), max_items=MAX_BANNED_STRINGS),
@@ -338,28 +340,15 @@ def parse_generate(body: Any, stream: bool = False) -> GenerateParams:
 
 
 def sampler_settings(params: GenerateParams) -> Any:
-    """The engine's SamplerSettings for these params (KoboldCpp repetition-penalty semantics)."""
+    """The engine's SamplerSettings for these params: every setting with a KoboldAI key (engine/sampler_fields.py),
+    KoboldCpp's repetition-penalty rule, custom_token_bans as banned ids (a DRY look-back of -1 reads as 0: the
+    whole context)."""
     from kobold_backend.engine.sampling import SamplerSettings
 
     v = params.values
-    wanted = {
-        "temperature": float(v["temperature"]), "top_k": int(v["top_k"]), "top_p": float(v["top_p"]),
-        "top_a": float(v["top_a"]), "tfs": float(v["tfs"]), "typical": float(v["typical"]),
-        "min_p": float(v["min_p"]), "rep_pen": float(v["rep_pen"]), "rep_pen_range": int(v["rep_pen_range"]),
-        "rep_pen_slope": float(v["rep_pen_slope"]), "rep_pen_mode": "koboldcpp",
-        "presence_penalty": float(v["presence_penalty"]), "frequency_penalty": float(v["frequency_penalty"]),
-        "sampler_order": tuple(v["sampler_order"]), "dynatemp_range": float(v["dynatemp_range"]),
-        "dynatemp_exponent": float(v["dynatemp_exponent"]), "smoothing_factor": float(v["smoothing_factor"]),
-        "mirostat": int(v["mirostat"]), "mirostat_tau": float(v["mirostat_tau"]),
-        "mirostat_eta": float(v["mirostat_eta"]), "dry_multiplier": float(v["dry_multiplier"]),
-        "dry_base": float(v["dry_base"]), "dry_allowed_length": int(v["dry_allowed_length"]),
-        "dry_penalty_last_n": max(0, int(v["dry_penalty_last_n"])),
-        "dry_sequence_breakers": tuple(v["dry_sequence_breakers"]),
-        "xtc_threshold": float(v["xtc_threshold"]), "xtc_probability": float(v["xtc_probability"]),
-        "logit_bias": dict(v["logit_bias"]), "banned_token_ids": tuple(v["custom_token_bans"]),
-    }
-    known = {f.name for f in dataclasses.fields(SamplerSettings)}
-    return SamplerSettings(**{k: val for k, val in wanted.items() if k in known})
+    values: Dict[str, Any] = {f.name: v[f.kobold] for f in SAMPLER_FIELDS if f.kobold is not None}
+    values["dry_penalty_last_n"] = max(0, values["dry_penalty_last_n"])
+    return SamplerSettings(**values, rep_pen_mode="koboldcpp", banned_token_ids=tuple(v["custom_token_bans"]))
 
 
 # -- the engine request ------------------------------------------------------------------------------------------
@@ -387,9 +376,9 @@ def kobold_request(params: GenerateParams, tokenizer: Any, model_context: int, d
     prompt_ids = fit_text(tokenizer, params.memory, params.prompt, budget)
     if not prompt_ids:
         raise RequestError("The prompt is empty and this model has no BOS token to start from.", "prompt")
-    negative: List[int] = []
+    negative: Tuple[int, ...] = ()
     if params.negative_prompt and params.guidance_scale != 1.0:
-        negative = fit_text(tokenizer, "", params.negative_prompt, budget)
+        negative = tuple(fit_text(tokenizer, "", params.negative_prompt, budget))
     return GenerationRequest(
         prompt_ids=prompt_ids, max_new_tokens=max_new, settings=sampler_settings(params),
         stop_strings=tuple(params.stop_sequence) + (("\n",) if params.singleline else ()),
