@@ -22,7 +22,7 @@ from kobold_backend.engine.lane import Lane
 from kobold_backend.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from kobold_backend.engine.model import Model
 from kobold_backend.engine.request import GenerationRequest
-from kobold_backend.engine.sampling import Sampler, SamplerSettings
+from kobold_backend.engine.sampling import Sampler
 from kobold_backend.engine.tokenizer import Tokenizer, complete_utf8_prefix
 from kobold_backend.errors import OutOfContextError, RequestError
 
@@ -318,12 +318,9 @@ class Generator:
         guide_logits = logits
         if guide is not None:
             guide_logits, _ = guide.prepare(list(req.negative_prompt_ids), guide_passthrough, self.context_shift)
-        settings = req.settings
         banned = self._banned_ids(req)
-        if banned:
-            settings = _with_bans(settings, banned)
-        sampler = Sampler(settings, self.model.config.vocab_size, logits.device, seed=req.seed,
-                          token_texts=self.tokenizer.token_strings())
+        sampler = Sampler(req.settings, self.model.config.vocab_size, logits.device, seed=req.seed,
+                          token_texts=self.tokenizer.token_strings(), banned=banned)
         sampler.begin(prompt)
         beams = None
         if req.num_beams > 1:
@@ -425,7 +422,3 @@ def classifier_free_guidance(logits: torch.Tensor, negative: torch.Tensor, scale
     pos = torch.log_softmax(logits.float(), dim=-1)
     neg = torch.log_softmax(negative.float(), dim=-1)
     return neg + scale * (pos - neg)
-
-
-def _with_bans(settings: SamplerSettings, banned: Tuple[int, ...]) -> SamplerSettings:
-    return replace(settings, banned_token_ids=tuple(sorted(set(settings.banned_token_ids) | set(banned))))

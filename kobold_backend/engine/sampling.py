@@ -14,7 +14,7 @@ import math
 import os
 import time
 from dataclasses import field, make_dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -119,6 +119,7 @@ class Sampler:
         device: Union[torch.device, str] = "cpu",
         seed: Optional[int] = None,
         token_texts: Optional[List[str]] = None,
+        banned: Sequence[int] = (),
     ) -> None:
         settings.validate()
         s = settings
@@ -134,7 +135,7 @@ class Sampler:
         # switch it off to run the fixed-shape accelerator path on the CPU.
         self.compact = self.device.type == "cpu"
         self._greedy = s.temperature <= 0.0
-        self._bias, self._has_bans = self._build_bias(s)
+        self._bias, self._has_bans = self._build_bias(s, banned)
         self._penalty = RepetitionPenalty(
             s.rep_pen_mode, s.rep_pen, s.rep_pen_range, s.rep_pen_slope, s.presence_penalty,
             s.frequency_penalty, vocab_size, self.device,
@@ -148,11 +149,12 @@ class Sampler:
         self._mu = torch.tensor(2.0 * s.mirostat_tau, dtype=torch.float32, device=self.device)
         self.begin([])
 
-    def _build_bias(self, s: SamplerSettings) -> Tuple[Optional[torch.Tensor], bool]:
-        """One additive tensor: clamped logit biases, -inf on banned ids (ids outside the vocabulary are ignored)."""
+    def _build_bias(self, s: SamplerSettings, extra: Sequence[int]) -> Tuple[Optional[torch.Tensor], bool]:
+        """One additive tensor: clamped logit biases, -inf on banned ids (the settings' and `extra`, the
+        generator's EOS and single-character bans; ids outside the vocabulary are ignored)."""
         bias = {t: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b))) for t, b in s.logit_bias.items()
                 if 0 <= t < self.vocab_size}
-        banned = sorted({t for t in s.banned_token_ids if 0 <= t < self.vocab_size})
+        banned = sorted({t for t in (*s.banned_token_ids, *extra) if 0 <= t < self.vocab_size})
         if not bias and not banned:
             return None, False
         values = torch.zeros(self.vocab_size, dtype=torch.float32)

@@ -16,7 +16,6 @@ from kobold_backend.server.schemas import (
     ValidationFailed,
     field_schemas,
     parse_generate,
-    sampler_settings,
 )
 
 # OpenAI / SillyTavern names -> the KoboldAI field they set; the first one present wins, then the field's own
@@ -322,7 +321,7 @@ def openai_request(params: GenerateParams, prompt_ids: List[int], max_new: int, 
     from kobold_backend.engine.request import GenerationRequest
 
     return GenerationRequest(
-        prompt_ids=list(prompt_ids), max_new_tokens=max_new, settings=sampler_settings(params),
+        prompt_ids=list(prompt_ids), max_new_tokens=max_new, settings=params.settings,
         stop_strings=tuple(params.stop_sequence), ban_eos=params.use_default_badwordsids,
         bypass_eos=params.bypass_eos, seed=seed, banned_strings=tuple(params.banned_tokens), trim_stop=True,
         logprobs=logprobs, n=params.n,

@@ -147,6 +147,7 @@ class GenerateParams:
 
     values: Dict[str, Any]
     stream: bool = False
+    settings: Any = None  # the engine's SamplerSettings, built and validated once by parse_generate
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -333,7 +334,8 @@ def parse_generate(body: Any, stream: bool = False) -> GenerateParams:
         raise ValidationFailed({"num_beams": ["Beam search cannot be combined with logprobs."]})
     params = GenerateParams(values=values, stream=stream)
     try:
-        sampler_settings(params).validate()
+        params.settings = sampler_settings(params)
+        params.settings.validate()
     except RequestError as e:
         raise ValidationFailed({e.field or "_schema": [str(e)]}) from None
     return params
@@ -380,7 +382,7 @@ def kobold_request(params: GenerateParams, tokenizer: Any, model_context: int, d
     if params.negative_prompt and params.guidance_scale != 1.0:
         negative = tuple(fit_text(tokenizer, "", params.negative_prompt, budget))
     return GenerationRequest(
-        prompt_ids=prompt_ids, max_new_tokens=max_new, settings=sampler_settings(params),
+        prompt_ids=prompt_ids, max_new_tokens=max_new, settings=params.settings,
         stop_strings=tuple(params.stop_sequence) + (("\n",) if params.singleline else ()),
         ban_eos=params.use_default_badwordsids, bypass_eos=params.bypass_eos,
         seed=params.sampler_seed, abort=abort, banned_strings=tuple(params.banned_tokens),
