@@ -171,7 +171,7 @@ def test_the_kobold_fields_openai_names_and_united_defaults_come_from_the_table(
             continue
         body = schemas.FIELDS_BY_NAME[f.kobold]
         assert (body.kind, body.default, (body.minimum, body.maximum), body.description, body.aliases) == (
-            f.kind, f.wire_default(), f.wire_range(), f.doc, f.kobold_aliases)
+            f.kind, f.wire_default(), f.wire_range(), f.kobold_doc or f.doc, f.kobold_aliases)
         assert openai_schemas.RENAMES.get(f.kobold, ()) in ((), f.openai)
     assert openai_schemas.RENAMES["typical"] == ("typical_p",)
     assert openai_schemas.RENAMES["mirostat"] == ("mirostat_mode",)

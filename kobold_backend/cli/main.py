@@ -11,6 +11,7 @@ import argparse
 import importlib
 import importlib.util
 import logging
+import math
 import sys
 from typing import TYPE_CHECKING, Any, List, Optional
 
@@ -57,6 +58,24 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# The sampler settings `generate` takes as flags, with the command's defaults.
+GENERATE_SAMPLER_DEFAULTS = {"temperature": 0.7, "top_k": 0, "top_p": 0.92, "rep_pen": 1.0}
+
+
+def add_sampler_flag(parser: argparse.ArgumentParser, name: str, default: float) -> None:
+    """--NAME for one sampler setting: its type, range and help from engine/sampler_fields.py (the KoboldAI range,
+    as the HTTP routes check it)."""
+    from kobold_backend.engine.sampler_fields import BY_NAME
+
+    f = BY_NAME[name]
+    low, high = f.wire_range()
+    if f.kind == "integer":
+        kind = int_at_least(int(low if low is not None else -(2**63)), None if high is None else int(high))
+    else:
+        kind = float_in(-math.inf if low is None else low, math.inf if high is None else high)
+    parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=f.doc)
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream a continuation of a prompt to stdout",
                        description="Load a model (or the demo model), continue --prompt and stream the text to "
@@ -66,10 +85,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=100, metavar="N",
                    help="tokens to generate, at least 1")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument("--temperature", type=float_in(0), default=0.7, help="sampling temperature; 0 is greedy")
-    p.add_argument("--top-k", type=int_at_least(0), default=0, help="top-k, 0 = off")
-    p.add_argument("--top-p", type=float_in(0, 1), default=0.92, help="top-p (nucleus), 1 = off")
-    p.add_argument("--rep-pen", type=float_in(1), default=1.0, help="repetition penalty, 1 = off")
+    for name, default in GENERATE_SAMPLER_DEFAULTS.items():
+        add_sampler_flag(p, name, default)
     p.add_argument("--seed", type=int_at_least(0, 2**64 - 1), default=None,
                    help="sampler seed (default: a random one)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")

@@ -20,17 +20,13 @@ DEFAULT_BREAKERS = ("\n", ":", '"', "*")
 MAX_DRY_BREAKERS = 24
 SAME = object()  # a dialect's default or range that is the engine's own
 
-# The Python type of each kind, for SamplerSettings' annotations.
-PY_TYPES = {"number": "float", "integer": "int", "choice": "str", "int_list": "Tuple[int, ...]",
-            "string_list": "Tuple[str, ...]", "bias_map": "Dict[int, float]", "id_list": "Tuple[int, ...]"}
-
 
 @dataclass(frozen=True)
 class SamplerField:
     """One sampler setting. `minimum`/`maximum` bound what the engine accepts (`above`: the minimum itself is
-    refused); `kobold` is its key in KoboldAI/KoboldCpp bodies (None: not sent there), with KoboldCpp's default and
-    range where they differ from the engine's; `openai` lists the other names OpenAI clients (and SillyTavern) use;
-    `united` is the attribute of United's GenerationSettings, with United's default."""
+    refused); `kobold` is its key in KoboldAI/KoboldCpp bodies (None: not sent there), with KoboldCpp's default,
+    range and description where they differ from the engine's; `openai` lists the other names OpenAI clients (and
+    SillyTavern) use; `united` is the attribute of United's GenerationSettings, with United's default."""
 
     name: str
     kind: str
@@ -45,6 +41,7 @@ class SamplerField:
     kobold_minimum: Any = SAME
     kobold_maximum: Any = SAME
     kobold_aliases: Tuple[str, ...] = ()
+    kobold_doc: str = ""
     max_items: Optional[int] = None
     openai: Tuple[str, ...] = ()
     united: Optional[str] = None
@@ -74,8 +71,9 @@ SAMPLER_FIELDS: Tuple[SamplerField, ...] = (
       openai=("typical_p",), united="typical", united_default=1.0),
     S("min_p", "number", 0.0, "Min-p (0 = off); runs with top-p in sampler slot 2.", minimum=0, maximum=1,
       kobold="min_p"),
-    S("rep_pen", "number", 1.0, "Repetition penalty (KoboldCpp semantics; 1 = off). Aliases repeat_penalty and "
-      "repetition_penalty; the largest value wins.", minimum=0, above=True, kobold="rep_pen", kobold_minimum=1,
+    S("rep_pen", "number", 1.0, "Repetition penalty (1 = off; the rule is rep_pen_mode's).", minimum=0, above=True,
+      kobold="rep_pen", kobold_minimum=1, kobold_doc="Repetition penalty (KoboldCpp semantics; 1 = off). Aliases "
+      "repeat_penalty and repetition_penalty; the largest value wins.",
       kobold_aliases=("repeat_penalty", "repetition_penalty"), united="rep_pen", united_default=1.1),
     S("rep_pen_range", "integer", 0, "Tokens looked back by the repetition penalty.", minimum=0,
       kobold="rep_pen_range", kobold_default=320, united="rep_pen_range", united_default=2048),
@@ -172,6 +170,7 @@ def markdown_table() -> str:
             kobold = f"`{f.kobold}` ({extra})" if extra else f"`{f.kobold}`"
         openai = ", ".join(f"`{n}`" for n in f.openai)
         united = f"`{f.united}` ({_cell(f.united_default)})" if f.united else ""
+        doc = f.doc if not f.kobold_doc else f"{f.doc} KoboldAI: {f.kobold_doc}"
         rows.append(f"| `{f.name}` | {kind} | {_range(f.minimum, f.maximum, f.above)} | {_cell(f.default)} "
-                    f"| {kobold} | {openai} | {united} | {f.doc} |")
+                    f"| {kobold} | {openai} | {united} | {doc} |")
     return "\n".join(rows) + "\n"

@@ -49,7 +49,7 @@ def kobold_field(name: str) -> Field:
     range, its aliases)."""
     f = BY_NAME[name]
     low, high = f.wire_range()
-    return Field(f.kobold or name, f.kind, f.wire_default(), f.doc, minimum=low, maximum=high,
+    return Field(f.kobold or name, f.kind, f.wire_default(), f.kobold_doc or f.doc, minimum=low, maximum=high,
                  aliases=f.kobold_aliases, max_items=f.max_items)
 
 
