@@ -190,6 +190,12 @@ def test_the_docs_table_is_the_table() -> None:
         "docs/samplers.md's settings table is stale: paste kobold_backend.engine.sampler_fields.markdown_table()")
 
 
+def test_the_api_docs_field_table_is_the_kobold_field_table() -> None:
+    text = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
+    assert schemas.markdown_table() in text, (
+        "docs/api.md's field table is stale: paste kobold_backend.server.schemas.markdown_table()")
+
+
 # -- one message per dialect, validated once --------------------------------------------------------------------
 
 @pytest.mark.parametrize("key,value,message", [

@@ -158,10 +158,12 @@ class GenerateParams:
 
 # -- validation -------------------------------------------------------------------------------------
 
-def _range_message(f: Field) -> str:
-    def fmt(x: float) -> str:
-        return str(int(x)) if float(x).is_integer() else str(x)
+def _number_text(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
 
+
+def _range_message(f: Field) -> str:
+    fmt = _number_text
     if f.minimum is not None and f.maximum is not None:
         return f"Must be greater than or equal to {fmt(f.minimum)} and less than or equal to {fmt(f.maximum)}."
     if f.minimum is not None:
@@ -397,7 +399,25 @@ def kobold_finish_reason(reason: Optional[str]) -> str:
     return "stop" if reason == "stop" else "length"
 
 
-# -- OpenAPI ------------------------------------------------------------------------------------------
+# -- docs and OpenAPI ------------------------------------------------------------------------------------------
+
+def markdown_table() -> str:
+    """The field table of docs/api.md, from FIELDS (tests/test_request_path.py checks that the page holds it)."""
+    rows = ["| field | type | range | default | meaning |", "|---|---|---|---|---|"]
+    for f in FIELDS:
+        name = f"`{f.name}`" + (" (alias " + ", ".join(f"`{a}`" for a in f.aliases) + ")" if f.aliases else "")
+        kind = "integer list" if f.kind == "int_list" else f.kind.replace("_", " ")
+        if f.minimum is not None and f.maximum is not None:
+            span = f"{_number_text(f.minimum)}..{_number_text(f.maximum)}"
+        elif f.minimum is not None:
+            span = f">= {_number_text(f.minimum)}"
+        else:
+            span = "" if f.maximum is None else f"<= {_number_text(f.maximum)}"
+        value = list(f.default) if isinstance(f.default, tuple) else f.default
+        default = "required" if f.required else "" if value is None else f"`{json.dumps(value)}`"
+        rows.append(f"| {name} | {kind} | {span} | {default} | {f.description} |")
+    return "\n".join(rows) + "\n"
+
 
 def openapi_schema() -> Dict[str, Any]:
     """JSON Schema of the generation body, derived from FIELDS."""
