@@ -238,3 +238,17 @@ def test_settings_are_validated_once(monkeypatch: pytest.MonkeyPatch) -> None:
     for _ in range(2):  # a failed check is not remembered
         with pytest.raises(RequestError):
             bad.validate()
+
+
+def test_each_choice_has_its_own_grammar_state(tokenizer: Any) -> None:
+    pytest.importorskip("llguidance")
+    from kobold_backend.engine.grammar import GrammarConstraint
+
+    grammar = GrammarConstraint.build(tokenizer, gbnf='root ::= "yes" | "no"')
+    first, second = GenerationRequest([1], 4, grammar=grammar, n=2).choices()
+    assert first.grammar is grammar and second.grammar is not grammar
+    fresh = second.grammar.allowed_mask()
+    token = int(fresh.nonzero()[0])
+    first.grammar.accept(token)
+    assert not bool((first.grammar.allowed_mask() == fresh).all())  # the first choice moved on ...
+    assert bool((second.grammar.allowed_mask() == fresh).all())  # ... the second did not
