@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kobold_backend.bench.checkpoint import PRESETS, write_synthetic_gptq
-from kobold_backend.cli import main
+from kobold_backend.cli.main import main
 from kobold_backend.engine.config import ModelConfig
 
 FIELDS = ("prompt_tokens_per_s", "decode_tokens_per_s", "chat_turn", "copy_bandwidth_bytes_per_s",

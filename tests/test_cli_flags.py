@@ -14,7 +14,8 @@ from typing import Any, Iterator, List
 
 import pytest
 
-from kobold_backend import cli
+from kobold_backend.cli import main as cli
+from kobold_backend.progress import stderr_progress
 from kobold_backend.server.engine_holder import EngineHolder
 from tests.test_server_cli import REPO
 
@@ -205,6 +206,6 @@ def test_load_log_line_shows_no_function_repr(tmp_path: Path, caplog: pytest.Log
         import kobold_backend.engine.generator as gen
 
         mp.setattr(gen, "Generator", lambda model, tokenizer: None)
-        holder.load(tmp_path, progress=cli.stderr_progress("loading"))
+        holder.load(tmp_path, progress=stderr_progress("loading"))
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("loading "))
     assert line == f"loading {tmp_path.resolve()} (device=cpu, max_seq_len=8)"

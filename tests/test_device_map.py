@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
-from kobold_backend.cli_split import add_split_arguments, parse_gpu_split, split_from_args
+from kobold_backend.cli.split import add_split_arguments, parse_gpu_split, split_from_args
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.device_map import (
     GIB,

@@ -22,7 +22,7 @@ import pytest
 
 import kobold_backend
 from kobold_backend import wheels
-from kobold_backend.cli import main as cli_main
+from kobold_backend.cli.main import main as cli_main
 from kobold_backend.host.install import (
     MANIFEST,
     InstallError,

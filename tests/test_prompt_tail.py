@@ -10,8 +10,8 @@ from typing import Any, List
 
 import pytest
 
+from kobold_backend.engine.request import fit_text as fit_prompt
 from kobold_backend.engine.tokenizer import encode_tail, load_tokenizer, surely_longer_than
-from kobold_backend.server.schemas import fit_prompt
 from tests.test_tokenizer import TEXTS, reference
 
 

@@ -27,7 +27,8 @@ import torch
 from packaging import tags as pkg_tags
 
 import kobold_backend
-from kobold_backend import cli, wheels
+from kobold_backend import wheels
+from kobold_backend.cli import main as cli
 from kobold_backend.doctor import doctor_report
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """Layer split across GPUs and the CPU: plans per-layer placement from safetensors headers (counts or memory
 budgets, exllama's gpu_split) and refuses a plan that cannot fit before any weight is read.
 
-Placement only: the command-line flags live in kobold_backend/cli_split.py, United's slider ids in
+Placement only: the command-line flags live in kobold_backend/cli/split.py, United's slider ids in
 kobold_backend/engine/load_options.py, and the offload benchmark in kobold_backend/bench/split.py.
 """
 

@@ -1,4 +1,4 @@
-"""The one generation API both hosts use: GenerationRequest -> iterator of TokenEvent.
+"""The one generation API every host uses: GenerationRequest (engine/request.py) -> iterator of TokenEvent.
 
 It reuses the cached prefix of the previous prompt, samples token by token, holds back text that
 may become a stop string or a banned phrase, rewinds and resamples when a banned phrase completes,
@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 import threading
 import time
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -21,7 +21,8 @@ from kobold_backend.engine.decode_graph import graphs_supported
 from kobold_backend.engine.lane import Lane
 from kobold_backend.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from kobold_backend.engine.model import Model
-from kobold_backend.engine.sampling import Sampler, SamplerSettings
+from kobold_backend.engine.request import GenerationRequest
+from kobold_backend.engine.sampling import Sampler
 from kobold_backend.engine.tokenizer import Tokenizer, complete_utf8_prefix
 from kobold_backend.errors import OutOfContextError, RequestError
 
@@ -31,27 +32,6 @@ if TYPE_CHECKING:
 MAX_BAN_REWINDS = 64
 MAX_BEAMS = 16
 MAX_BEAM_LENGTH = 64
-
-
-@dataclass
-class GenerationRequest:
-    prompt_ids: List[int]
-    max_new_tokens: int
-    settings: SamplerSettings = field(default_factory=SamplerSettings)
-    stop_strings: Sequence[str] = ()
-    ban_eos: bool = False
-    bypass_eos: bool = False
-    seed: Optional[int] = None
-    passthrough: Optional[ForwardHooks] = None
-    abort: Optional[threading.Event] = None
-    banned_strings: Sequence[str] = ()
-    trim_stop: bool = True
-    negative_prompt_ids: Sequence[int] = ()
-    guidance_scale: float = 1.0
-    num_beams: int = 1
-    beam_length: int = 8
-    grammar: Optional[Any] = None  # engine.grammar.GrammarConstraint: one per request, it holds the grammar state
-    logprobs: Optional[int] = None  # report log p of each generated token and its N most likely alternatives
 
 
 @dataclass
@@ -165,6 +145,30 @@ class _TextTracker:
         return text
 
 
+class RowStream:
+    """One row of a lockstep batch (Generator.stream_rows): its events, the first one possibly fetched early."""
+
+    def __init__(self, stream: Iterator[TokenEvent]) -> None:
+        self._stream = stream
+        self._pending: Optional[TokenEvent] = None
+
+    def prime(self) -> None:
+        """Fetch the first event now (this runs the prompt's prefill)."""
+        self._pending = next(self._stream)
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        return self
+
+    def __next__(self) -> TokenEvent:
+        event, self._pending = self._pending, None
+        return event if event is not None else next(self._stream)
+
+    def close(self) -> None:
+        close = getattr(self._stream, "close", None)
+        if close is not None:
+            close()
+
+
 class Generator:
     """Runs requests one at a time on a model and its KV cache."""
 
@@ -207,13 +211,45 @@ class Generator:
                                 s.reused_tokens, s.prefill_seconds, s.decode_seconds, logprobs)
 
     def stream(self, req: GenerationRequest) -> Iterator[TokenEvent]:
-        """Yield a TokenEvent per sampled token and a final one; close the iterator to stop early."""
+        """Yield a TokenEvent per sampled token and a final one; close the iterator to stop early. One completion:
+        a request with n > 1 is run as `req.choices()` one after another, or in lockstep by `stream_rows`."""
+        if req.n != 1:
+            raise RequestError("stream runs one completion; split the request with choices() or use stream_rows",
+                               "n")
         self._check(req)
         with self.lock:
             yield from self._run(req)
 
+    def stream_rows(self, req: GenerationRequest,
+                    hooks: Optional[Callable[[int], Optional[ForwardHooks]]] = None) -> List[RowStream]:
+        """The n completions of `req` as streams to be advanced in lockstep (a batch): row 0 runs on this
+        generator's cache and has prefilled the prompt when this returns; rows 1..n-1 each get a cache of their own
+        started from a copy of that prefill (eager, no CUDA graphs). `hooks(row)` gives a row its own forward hooks
+        (they hold per-request state). Close every row when done."""
+        self._check(req)
+        choices = req.choices()
+        if hooks is not None:
+            choices = [replace(c, passthrough=hooks(i)) for i, c in enumerate(choices)]
+        first = RowStream(self.stream(choices[0]))
+        rows = [first]
+        try:
+            first.prime()
+            need = len(req.prompt_ids) + req.max_new_tokens
+            for choice in choices[1:]:
+                cache = self.model.new_cache(max_seq_len=min(need, self.max_context))
+                cache.copy_from(self.cache, length=min(self.cache.seq_len, cache.max_seq_len))
+                row = Generator(self.model, self.tokenizer, cache=cache, use_graphs=False)
+                rows.append(RowStream(row.stream(choice)))
+        except BaseException:
+            for row in rows:
+                row.close()
+            raise
+        return rows
+
     def _check(self, req: GenerationRequest) -> None:
         req.settings.validate()
+        if req.n < 1:
+            raise RequestError("n must be at least 1", "n")
         if req.max_new_tokens < 1:
             raise RequestError("max_new_tokens must be at least 1", "max_length")
         if len(req.prompt_ids) >= self.cache.max_seq_len:
@@ -282,12 +318,9 @@ class Generator:
         guide_logits = logits
         if guide is not None:
             guide_logits, _ = guide.prepare(list(req.negative_prompt_ids), guide_passthrough, self.context_shift)
-        settings = req.settings
         banned = self._banned_ids(req)
-        if banned:
-            settings = _with_bans(settings, banned)
-        sampler = Sampler(settings, self.model.config.vocab_size, logits.device, seed=req.seed,
-                          token_texts=self.tokenizer.token_strings())
+        sampler = Sampler(req.settings, self.model.config.vocab_size, logits.device, seed=req.seed,
+                          token_texts=self.tokenizer.token_strings(), banned=banned)
         sampler.begin(prompt)
         beams = None
         if req.num_beams > 1:
@@ -389,7 +422,3 @@ def classifier_free_guidance(logits: torch.Tensor, negative: torch.Tensor, scale
     pos = torch.log_softmax(logits.float(), dim=-1)
     neg = torch.log_softmax(negative.float(), dim=-1)
     return neg + scale * (pos - neg)
-
-
-def _with_bans(settings: SamplerSettings, banned: Tuple[int, ...]) -> SamplerSettings:
-    return replace(settings, banned_token_ids=tuple(sorted(set(settings.banned_token_ids) | set(banned))))

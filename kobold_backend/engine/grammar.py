@@ -133,6 +133,10 @@ class GrammarConstraint:
             raise RequestError(f"invalid {field}: {matcher.get_error()}", field)
         return cls(matcher, tokenizer.vocab_size, tokenizer.eos_ids)
 
+    def copy(self) -> GrammarConstraint:
+        """An independent constraint at the same position (for another completion of the same request)."""
+        return GrammarConstraint(self._matcher.deep_copy(), self.vocab_size, self.eos_ids)
+
     def allowed_mask(self, device: Union[torch.device, str] = "cpu", size: Optional[int] = None) -> torch.Tensor:
         """Bool [size or vocab_size]: True where the token may come next (EOS only when the grammar is complete).
         Ids past the tokenizer's vocabulary (a model's padded vocabulary) are never allowed."""

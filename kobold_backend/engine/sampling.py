@@ -1,4 +1,5 @@
-"""Token sampling: SamplerSettings (KoboldAI United and KoboldCpp fields) and the Sampler over logits.
+"""Token sampling: SamplerSettings (KoboldAI United and KoboldCpp fields, derived from engine/sampler_fields.py) and
+the Sampler over logits.
 
 The pipeline for one token (docs/samplers.md has the details and where each rule comes from):
 logit_bias and bans -> DRY -> the samplers of `sampler_order` (ids 0-6) -> XTC -> draw; with mirostat
@@ -12,11 +13,12 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple, Union
+from dataclasses import field, make_dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from kobold_backend.engine.sampler_fields import MAX_MAGNITUDE, REP_PEN_MODES, SAMPLER_FIELDS, SAMPLER_IDS, SamplerField
 from kobold_backend.engine.samplers import mirostat as _mirostat
 from kobold_backend.engine.samplers import temperature as _temperature
 from kobold_backend.engine.samplers import truncation as _truncation
@@ -28,106 +30,83 @@ from kobold_backend.errors import RequestError
 
 __all__ = ["REP_PEN_MODES", "SamplerSettings", "Sampler", "parse_sequence_breakers", "benchmark_samplers"]
 
-MAX_MAGNITUDE = 1e6  # larger settings only overflow float32 arithmetic on the device
-REP_PEN_MODES = ("kobold_united", "koboldcpp")
-SAMPLER_IDS = {0: "top_k", 1: "top_a", 2: "top_p/min_p", 3: "tfs", 4: "typical", 5: "temperature", 6: "rep_pen"}
 LOGIT_BIAS_LIMIT = 100.0
-
-_FLOAT_FIELDS = (
-    "temperature", "top_p", "top_a", "tfs", "typical", "min_p", "rep_pen", "rep_pen_slope",
-    "presence_penalty", "frequency_penalty", "dynatemp_range", "dynatemp_exponent", "smoothing_factor",
-    "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base", "xtc_threshold", "xtc_probability",
-)
-_UNIT_FIELDS = ("top_p", "tfs", "typical", "min_p", "xtc_threshold", "xtc_probability")
-_NON_NEGATIVE_FIELDS = (
-    "top_a", "rep_pen_slope", "dynatemp_range", "smoothing_factor", "mirostat_tau", "mirostat_eta",
-    "dry_multiplier", "dry_base",
-)
-_INT_FIELDS = ("top_k", "rep_pen_range", "mirostat", "dry_allowed_length", "dry_penalty_last_n")
+_TYPES = {"number": float, "integer": int, "choice": str, "int_list": Tuple[int, ...],
+          "string_list": Tuple[str, ...], "bias_map": Dict[int, float], "id_list": Tuple[int, ...]}
 
 
-@dataclass
-class SamplerSettings:
-    """Every sampling field of KoboldAI United and KoboldCpp; each default switches its sampler off."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    top_a: float = 0.0
-    tfs: float = 1.0
-    typical: float = 1.0
-    min_p: float = 0.0
-    rep_pen: float = 1.0
-    rep_pen_range: int = 0
-    rep_pen_slope: float = 1.0
-    rep_pen_mode: str = "kobold_united"
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    sampler_order: Tuple[int, ...] = (6, 0, 1, 3, 4, 2, 5)
-    dynatemp_range: float = 0.0
-    dynatemp_exponent: float = 1.0
-    smoothing_factor: float = 0.0
-    mirostat: int = 0
-    mirostat_tau: float = 5.0
-    mirostat_eta: float = 0.1
-    dry_multiplier: float = 0.0
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = 0
-    dry_sequence_breakers: Tuple[str, ...] = ("\n", ":", '"', "*")
-    xtc_threshold: float = 0.1
-    xtc_probability: float = 0.0
-    logit_bias: Dict[int, float] = field(default_factory=dict)
-    banned_token_ids: Tuple[int, ...] = ()
-
-    def validate(self) -> None:
-        """Raise RequestError(message, field) for the first out-of-range value."""
-        for name in _FLOAT_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise RequestError(f"{name} must be a finite number", name)
-            if abs(value) > MAX_MAGNITUDE:
-                raise RequestError(f"{name} must be between -{MAX_MAGNITUDE:g} and {MAX_MAGNITUDE:g}", name)
-        for name in _INT_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise RequestError(f"{name} must be an integer", name)
-        for name in _UNIT_FIELDS:
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise RequestError(f"{name} must be between 0 and 1", name)
-        for name in _NON_NEGATIVE_FIELDS:
-            if getattr(self, name) < 0.0:
-                raise RequestError(f"{name} must be >= 0", name)
-        if self.rep_pen <= 0.0:
-            raise RequestError("rep_pen must be > 0", "rep_pen")
-        if self.rep_pen_range < 0:
-            raise RequestError("rep_pen_range must be >= 0", "rep_pen_range")
-        if self.rep_pen_mode not in REP_PEN_MODES:
-            raise RequestError(f"rep_pen_mode must be one of {', '.join(REP_PEN_MODES)}", "rep_pen_mode")
-        if self.mirostat not in (0, 1, 2):
-            raise RequestError("mirostat must be 0, 1 or 2", "mirostat")
-        if self.dry_multiplier > 0.0 and self.dry_base <= 0.0:
-            raise RequestError("dry_base must be > 0", "dry_base")
-        if self.dry_allowed_length < 0:
-            raise RequestError("dry_allowed_length must be >= 0", "dry_allowed_length")
-        if not isinstance(self.dry_sequence_breakers, (list, tuple)) or not all(
-            isinstance(b, str) for b in self.dry_sequence_breakers
+def _checked_value(f: SamplerField, value: Any) -> None:
+    """RequestError(message, field) when one value is not of its field's type or outside its range."""
+    name = f.name
+    if f.kind == "number":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise RequestError(f"{name} must be a finite number", name)
+        if abs(value) > MAX_MAGNITUDE:
+            raise RequestError(f"{name} must be between -{MAX_MAGNITUDE:g} and {MAX_MAGNITUDE:g}", name)
+    elif f.kind == "integer":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RequestError(f"{name} must be an integer", name)
+    elif f.kind == "choice":
+        if value not in f.choices:
+            raise RequestError(f"{name} must be one of {', '.join(f.choices)}", name)
+        return
+    elif f.kind == "string_list":
+        if not isinstance(value, (list, tuple)) or not all(isinstance(b, str) for b in value):
+            raise RequestError(f"{name} must be a list of strings", name)
+        return
+    elif f.kind == "int_list":
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i in SAMPLER_IDS for i in value
         ):
-            raise RequestError("dry_sequence_breakers must be a list of strings", "dry_sequence_breakers")
-        order = self.sampler_order
-        if not isinstance(order, (list, tuple)) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i in SAMPLER_IDS for i in order
-        ):
-            raise RequestError("sampler_order must list sampler ids 0-6", "sampler_order")
-        if len(set(order)) != len(order):
-            raise RequestError("sampler_order repeats a sampler id", "sampler_order")
-        for token, bias in self.logit_bias.items():
+            raise RequestError(f"{name} must list sampler ids 0-6", name)
+        if len(set(value)) != len(value):
+            raise RequestError(f"{name} repeats a sampler id", name)
+        return
+    elif f.kind == "bias_map":
+        for token, bias in value.items():
             if isinstance(token, bool) or not isinstance(token, int):
-                raise RequestError("logit_bias keys must be token ids", "logit_bias")
+                raise RequestError(f"{name} keys must be token ids", name)
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
-                raise RequestError("logit_bias values must be finite numbers", "logit_bias")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.banned_token_ids):
-            raise RequestError("banned_token_ids must be token ids", "banned_token_ids")
+                raise RequestError(f"{name} values must be finite numbers", name)
+        return
+    elif f.kind == "id_list":
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise RequestError(f"{name} must be token ids", name)
+        return
+    low, high = f.minimum, f.maximum
+    if low is not None and high is not None and not low <= value <= high:
+        raise RequestError(f"{name} must be between {low:g} and {high:g}", name)
+    if low is not None and (value <= low if f.above else value < low):
+        raise RequestError(f"{name} must be {'>' if f.above else '>='} {low:g}", name)
+    if high is not None and value > high:
+        raise RequestError(f"{name} must be <= {high:g}", name)
+
+
+def _validate(self: Any) -> None:
+    """Raise RequestError(message, field) for the first bad value (engine ranges of engine/sampler_fields.py).
+    Settings are immutable, so they are checked once: later calls (the generator's, the Sampler's) return at once."""
+    if self.__dict__.get("_valid"):
+        return
+    for f in SAMPLER_FIELDS:
+        _checked_value(f, getattr(self, f.name))
+    if self.dry_multiplier > 0.0 and self.dry_base <= 0.0:
+        raise RequestError("dry_base must be > 0", "dry_base")
+    object.__setattr__(self, "_valid", True)
+
+
+def _field(f: SamplerField) -> Tuple[str, Any, Any]:
+    default = f.default
+    spec = field(default_factory=dict) if isinstance(default, dict) else field(default=default)
+    return f.name, _TYPES[f.kind], spec
+
+
+SamplerSettings = make_dataclass(
+    "SamplerSettings", [_field(f) for f in SAMPLER_FIELDS], frozen=True, namespace={
+        "__doc__": "Every sampling field of KoboldAI United and KoboldCpp (engine/sampler_fields.py declares them); "
+                   "each default switches its sampler off.",
+        "__module__": __name__,
+        "validate": _validate,
+    })
 
 
 class Sampler:
@@ -140,6 +119,7 @@ class Sampler:
         device: Union[torch.device, str] = "cpu",
         seed: Optional[int] = None,
         token_texts: Optional[List[str]] = None,
+        banned: Sequence[int] = (),
     ) -> None:
         settings.validate()
         s = settings
@@ -155,7 +135,7 @@ class Sampler:
         # switch it off to run the fixed-shape accelerator path on the CPU.
         self.compact = self.device.type == "cpu"
         self._greedy = s.temperature <= 0.0
-        self._bias, self._has_bans = self._build_bias(s)
+        self._bias, self._has_bans = self._build_bias(s, banned)
         self._penalty = RepetitionPenalty(
             s.rep_pen_mode, s.rep_pen, s.rep_pen_range, s.rep_pen_slope, s.presence_penalty,
             s.frequency_penalty, vocab_size, self.device,
@@ -169,11 +149,12 @@ class Sampler:
         self._mu = torch.tensor(2.0 * s.mirostat_tau, dtype=torch.float32, device=self.device)
         self.begin([])
 
-    def _build_bias(self, s: SamplerSettings) -> Tuple[Optional[torch.Tensor], bool]:
-        """One additive tensor: clamped logit biases, -inf on banned ids (ids outside the vocabulary are ignored)."""
+    def _build_bias(self, s: SamplerSettings, extra: Sequence[int]) -> Tuple[Optional[torch.Tensor], bool]:
+        """One additive tensor: clamped logit biases, -inf on banned ids (the settings' and `extra`, the
+        generator's EOS and single-character bans; ids outside the vocabulary are ignored)."""
         bias = {t: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b))) for t, b in s.logit_bias.items()
                 if 0 <= t < self.vocab_size}
-        banned = sorted({t for t in s.banned_token_ids if 0 <= t < self.vocab_size})
+        banned = sorted({t for t in (*s.banned_token_ids, *extra) if 0 <= t < self.vocab_size})
         if not bias and not banned:
             return None, False
         values = torch.zeros(self.vocab_size, dtype=torch.float32)

@@ -26,13 +26,6 @@ model_backend_type = "GPTQ"
 
 log = logging.getLogger(__name__)
 
-# United's koboldai_settings defaults, used when neither GenerationSettings nor koboldai_vars say otherwise.
-UNITED_DEFAULTS: Dict[str, Any] = {
-    "temp": 0.5, "top_p": 0.9, "top_k": 0, "tfs": 1.0, "typical": 1.0, "top_a": 0.0,
-    "rep_pen": 1.1, "rep_pen_slope": 1.0, "rep_pen_range": 2048, "sampler_order": [6, 0, 1, 2, 3, 4, 5],
-}
-
-
 def engine_problem() -> Optional[str]:
     """Why the engine cannot run in this interpreter (None when it can)."""
     try:
@@ -193,25 +186,6 @@ class StandaloneResult:
             width = max((len(r) for r in rows), default=0)
             pad = model.tokenizer.pad_token_id or 0
             self.encoded = np.array([r + [pad] * (width - len(r)) for r in rows], dtype=np.int64)
-
-
-class _Row:
-    """One batch row being generated in lockstep with the others."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-        self.tokens: List[int] = []
-        self.done = False
-        self.pending: Any = None
-
-    def next_event(self) -> Any:
-        event, self.pending = self.pending, None
-        return event if event is not None else next(self.stream)
-
-    def finish(self) -> None:
-        if not self.done:
-            self.done = True
-            self.stream.close()
 
 
 class KoboldBackendMixin:
@@ -397,26 +371,13 @@ class KoboldBackendMixin:
     # ------------------------------------------------------------------ generation
 
     def _sampler_settings(self, gen_settings: Any, banned: Sequence[int]) -> Any:
+        """The sampler settings United sends (its names and defaults: engine/sampler_fields.py), United's
+        repetition-penalty rule, and the banned ids."""
+        from kobold_backend.engine.sampler_fields import united_values
         from kobold_backend.engine.sampling import SamplerSettings
 
-        def get(name: str) -> Any:
-            value = getattr(gen_settings, name, None) if gen_settings is not None else None
-            return UNITED_DEFAULTS[name] if value is None else value
-
-        return SamplerSettings(
-            temperature=float(get("temp")),
-            top_k=int(get("top_k")),
-            top_p=float(get("top_p")),
-            top_a=float(get("top_a")),
-            tfs=float(get("tfs")),
-            typical=float(get("typical")),
-            rep_pen=float(get("rep_pen")),
-            rep_pen_range=int(get("rep_pen_range")),
-            rep_pen_slope=float(get("rep_pen_slope")),
-            rep_pen_mode="kobold_united",
-            sampler_order=tuple(int(i) for i in get("sampler_order")),
-            banned_token_ids=tuple(sorted(set(banned))),
-        )
+        values = united_values(lambda name: getattr(gen_settings, name, None) if gen_settings is not None else None)
+        return SamplerSettings(**values, rep_pen_mode="kobold_united", banned_token_ids=tuple(sorted(set(banned))))
 
     def _banned_ids(self) -> Tuple[List[int], bool]:
         """(ids never sampled, whether EOS is banned): BOS always; EOS and every token with "[" or "]"
@@ -430,22 +391,28 @@ class KoboldBackendMixin:
                 return banned, True
         return banned, False
 
-    def _fit(self, prompt: List[int], max_new: int) -> Tuple[List[int], int]:
-        """Prepend BOS, then make prompt + new tokens fit the KV cache: an unbounded request (United sends
-        1e7 for "forever" modes) generates until the cache is full; otherwise the prompt's oldest tokens go."""
+    def _united_request(self, prompt: List[int], max_new: int, gen_settings: Any, batch_count: int,
+                        seed: int) -> Any:
+        """United's generation call as the engine's request: BOS prepended, an unbounded length (United sends 1e7
+        for its "forever" modes) filling the rest of the cache, the oldest prompt tokens dropped to fit, United's
+        sampler settings and bans, batch_count completions."""
+        from kobold_backend.engine.request import GenerationRequest, fit_ids, new_tokens_to_fill
+
         size = self.generator.max_context
         bos = self.tokenizer.bos_token_id
         head = [bos] if bos is not None and (not prompt or prompt[0] != bos) else []
         prompt = head + prompt
         if max_new >= size:
-            max_new = max(1, size - len(prompt))
-        keep = size - max_new
-        if len(prompt) > keep:
+            max_new = new_tokens_to_fill(size, min(len(prompt), size - 1))
+        if len(prompt) > size - max_new:
             log.warning("prompt of %d tokens + %d new exceeds the %d-token context; dropping the oldest",
                         len(prompt), max_new, size)
-            start = 1 if bos is not None and prompt[0] == bos else 0
-            prompt = prompt[:start] + prompt[len(prompt) - (keep - start):]
-        return prompt, max_new
+            prompt = fit_ids(prompt, size - max_new, bos)
+        banned, ban_eos = self._banned_ids()
+        return GenerationRequest(
+            prompt_ids=prompt, max_new_tokens=max_new, settings=self._sampler_settings(gen_settings, banned),
+            ban_eos=ban_eos, seed=seed, abort=self._abort_event, n=max(1, int(batch_count)),
+        )
 
     def _raw_generate(
         self,
@@ -460,71 +427,67 @@ class KoboldBackendMixin:
         import numpy as np
         import torch
 
-        from kobold_backend.engine.generator import GenerationRequest, Generator
-
         if self.generator is None:
             raise RuntimeError("kobold_backend has no model loaded")
         if int(max_new) < 1:
             return self._result_class(model=self, out_batches=np.zeros((max(1, int(batch_count)), 0), np.int64),
                                       prompt=prompt_tokens, is_whole_generation=True)
         original = [int(t) for t in np.asarray(prompt_tokens).reshape(-1)]
-        prompt, budget = self._fit(list(original), int(max_new))
-        banned, ban_eos = self._banned_ids()
-        settings = self._sampler_settings(gen_settings, banned)
+        # No seed: draw one from torch's global RNG, which United seeds for API calls with sampler_seed.
+        base_seed = int(seed) if seed is not None else int(torch.randint(0, 2 ** 62, (1,)).item())
+        req = self._united_request(original, int(max_new), gen_settings, batch_count, base_seed)
         eos = set(self.tokenizer.eos_token_ids)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.abort = False
-        batch = max(1, int(batch_count))
-        # No seed: draw one from torch's global RNG, which United seeds for API calls with sampler_seed.
-        base_seed = int(seed) if seed is not None else int(torch.randint(0, 2 ** 62, (1,)).item())
-
         spec = kwargs.get("passthrough")
         self.last_passthrough_results = []
 
-        def request(row: int) -> Any:
-            passthrough = self._passthrough(spec, len(prompt), budget)
+        def hooks(row: int) -> Any:
+            passthrough = self._passthrough(spec, len(req.prompt_ids), req.max_new_tokens)
             if passthrough is not None and hasattr(passthrough, "results"):
                 self.last_passthrough_results.append(passthrough)
-            return GenerationRequest(
-                prompt_ids=list(prompt), max_new_tokens=budget, settings=settings, ban_eos=ban_eos,
-                seed=base_seed + row, abort=self._abort_event, passthrough=passthrough,
-            )
+            return passthrough
 
-        rows = [_Row(self.generator.stream(request(0)))]
+        streams = self.generator.stream_rows(req, hooks)
+        tokens: List[List[int]] = [[] for _ in streams]
+        done = [False] * len(streams)
+
+        def finish(i: int) -> None:
+            if not done[i]:
+                done[i] = True
+                streams[i].close()
+
         try:
-            rows[0].pending = next(rows[0].stream)  # row 0 has now prefilled the prompt into the main cache
-            if batch > 1:
-                rows += self._extra_rows(batch, request, Generator, len(prompt) + budget)
             steps = 0
             while True:
-                for row in rows:
-                    if row.done:
+                for i, stream in enumerate(streams):
+                    if done[i]:
                         continue
-                    event = row.next_event()
+                    event = next(stream)
                     if event.token_id is None or (event.token_id in eos and event.finish_reason is None):
-                        row.finish()
+                        finish(i)
                         continue
-                    row.tokens.append(event.token_id)
+                    tokens[i].append(event.token_id)
                     if single_line and "\n" in self.tokenizer.decode(event.token_id):
-                        row.finish()
-                if all(len(row.tokens) <= steps for row in rows):
+                        finish(i)
+                if all(len(row) <= steps for row in tokens):
                     break
                 steps += 1
                 seq = torch.tensor(
-                    [original + row.tokens + [pad] * (steps - len(row.tokens)) for row in rows], dtype=torch.long
+                    [original + row + [pad] * (steps - len(row)) for row in tokens], dtype=torch.long
                 )
                 self._post_token_gen(seq)
                 if self.abort or any(stopper(self, seq) for stopper in self.stopper_hooks):
                     break
-                if all(row.done for row in rows):
+                if all(done):
                     break
         finally:
-            for row in rows:
-                row.finish()
+            for i in range(len(streams)):
+                finish(i)
             self.abort = False
-        width = max(len(row.tokens) for row in rows)
-        out = np.array([row.tokens + [pad] * (width - len(row.tokens)) for row in rows], dtype=np.int64)
-        out = out.reshape(len(rows), width)
+        width = max(len(row) for row in tokens)
+        out = np.array([row + [pad] * (width - len(row)) for row in tokens], dtype=np.int64)
+        out = out.reshape(len(tokens), width)
         return self._result_class(
             model=self, out_batches=out, prompt=prompt_tokens, is_whole_generation=True, single_line=single_line
         )
@@ -547,17 +510,6 @@ class KoboldBackendMixin:
                                                          capture_output_dir=base / "captures")
         return build_passthrough(spec, self.generator.model, self._passthrough_config,
                                  prompt_tokens=prompt_tokens, max_new_tokens=budget)
-
-    def _extra_rows(self, batch: int, request: Callable[[int], Any], generator_cls: Any, need: int) -> List[_Row]:
-        """Rows 1..batch-1, each on its own cache started from a copy of row 0's prefilled prompt."""
-        main = self.generator
-        rows = []
-        for index in range(1, batch):
-            cache = main.model.new_cache(max_seq_len=min(need, main.max_context))
-            cache.copy_from(main.cache, length=min(main.cache.seq_len, cache.max_seq_len))
-            rows.append(_Row(generator_cls(main.model, main.tokenizer, cache=cache, use_graphs=False)
-                             .stream(request(index))))
-        return rows
 
 
 def make_model_backend(host: Optional[ModuleType] = None) -> type:

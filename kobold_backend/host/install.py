@@ -148,7 +148,7 @@ def build_wheel(dest: Path, requirements: Sequence[str]) -> Path:
     files[f"{dist_info}/WHEEL"] = (
         b"Wheel-Version: 1.0\nGenerator: kobold-backend install-plugin\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
     )
-    files[f"{dist_info}/entry_points.txt"] = b"[console_scripts]\nkobold-backend = kobold_backend.cli:main\n"
+    files[f"{dist_info}/entry_points.txt"] = b"[console_scripts]\nkobold-backend = kobold_backend.cli.main:main\n"
     record = [f"{name},{_record_hash(data)},{len(data)}" for name, data in files.items()]
     record.append(f"{dist_info}/RECORD,,")
     files[f"{dist_info}/RECORD"] = ("\n".join(record) + "\n").encode()

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional
 from kobold_backend.server.errors import NoModelLoaded
 from kobold_backend.server.logprobs import kobold_logprobs
 from kobold_backend.server.queue import Job
-from kobold_backend.server.schemas import GenerateParams, build_requests, kobold_finish_reason
+from kobold_backend.server.schemas import GenerateParams, kobold_finish_reason, kobold_request
 
 # KoboldCpp's stop_reason codes: -1 nothing yet, 0 out of tokens (or aborted), 1 EOS, 2 a stop string.
 STOP_REASON_CODES = {"length": 0, "abort": 0, "stop": 1, "stop_string": 2}
@@ -112,10 +112,10 @@ def generation_job(holder: Any, params: GenerateParams, default_max_length: int,
         active = holder.active
         if active is None:
             raise NoModelLoaded()
-        requests = build_requests(params, active.tokenizer, active.max_context, default_max_length,
-                                  abort=job.abort_event)
+        request = kobold_request(params, active.tokenizer, active.max_context, default_max_length,
+                                 abort=job.abort_event)
         results: List[RunResult] = []
-        for req in requests:
+        for req in request.choices():
             if results and job.abort_event.is_set():
                 break
             job.new_run()

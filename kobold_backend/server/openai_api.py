@@ -8,13 +8,14 @@ import logging
 import queue as _queue
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from kobold_backend.engine.chat_template import ChatFormatter, TemplateCompileError, TemplateRenderError
+from kobold_backend.engine.request import GenerationRequest, resolve_seed
 from kobold_backend.errors import OutOfContextError, RequestError
 from kobold_backend.server import passthrough, sse
 from kobold_backend.server.auth import ALLOWED_HEADERS, add_cors_headers, key_ok
@@ -24,13 +25,11 @@ from kobold_backend.server.logprobs import chat_logprobs, completion_logprobs, k
 from kobold_backend.server.openai_schemas import (
     OpenAIError,
     OpenAIRequest,
-    chat_lengths,
-    completion_prompt,
-    engine_request,
-    first_seed,
     openai_finish_reason,
+    openai_request,
     parse_chat,
     parse_completion,
+    prompt_and_length,
 )
 from kobold_backend.server.queue import POLL_SECONDS, Job, ServiceBusy, WorkQueue
 from kobold_backend.server.schemas import grammar_constraint
@@ -48,13 +47,15 @@ NO_TEMPLATE = ("This model has no chat template (no chat_template in tokenizer_c
 
 @dataclass(frozen=True)
 class Choice:
-    """One completion to generate: choice `index` continues prompt `prompt_index` with `seed`."""
+    """One completion to generate: choice `index` continues prompt `prompt_index` as the engine `request` says."""
 
     index: int
     prompt_index: int
-    prompt_ids: List[int]
-    max_new: int
-    seed: int
+    request: GenerationRequest
+
+    @property
+    def prompt_ids(self) -> List[int]:
+        return self.request.prompt_ids
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,8 @@ def _formatter(state: ServerState, active: ActiveModel) -> ChatFormatter:
 
 
 def _plan(state: ServerState, active: ActiveModel, req: OpenAIRequest) -> List[Choice]:
-    """The choices in answer order: prompt p's j-th choice has index p * n + j and seed first_seed + j."""
+    """The choices in answer order: prompt p's j-th choice has index p * n + j and seed + j (one seed for every
+    prompt: sampler_seed/seed, or a random one)."""
     params = req.params
     if req.chat:
         from kobold_backend.engine.tokenizer import surely_longer_than
@@ -203,13 +205,14 @@ def _plan(state: ServerState, active: ActiveModel, req: OpenAIRequest) -> List[C
             raise OpenAIError(f"This model's context holds {active.max_context} tokens; the messages take more.",
                               400, "messages", "context_length_exceeded")
         ids = formatter.encode(text)
-        prompts = [(ids, chat_lengths(params, ids, active.max_context))]
+        prompts = [prompt_and_length(params, ids, active.tokenizer, active.max_context, chat=True)]
     else:
-        prompts = [completion_prompt(params, p, active.tokenizer, active.max_context) for p in req.prompts]
-    seed = first_seed(params)
+        prompts = [prompt_and_length(params, p, active.tokenizer, active.max_context, chat=False)
+                   for p in req.prompts]
+    seed = resolve_seed(params.sampler_seed)
     n = params.n
-    return [Choice(p * n + j, p, ids, max_new, seed + j) for p, (ids, max_new) in enumerate(prompts)
-            for j in range(n)]
+    return [Choice(p * n + j, p, choice) for p, (ids, max_new) in enumerate(prompts)
+            for j, choice in enumerate(openai_request(params, ids, max_new, seed, req.logprobs).choices())]
 
 
 def _job(state: ServerState, active: ActiveModel, req: OpenAIRequest, plan: List[Choice], channel: _queue.Queue,
@@ -225,8 +228,8 @@ def _job(state: ServerState, active: ActiveModel, req: OpenAIRequest, plan: List
             if results and job.abort_event.is_set():
                 break
             job.new_run()
-            gen_req = engine_request(req.params, choice.prompt_ids, choice.max_new, choice.seed, job.abort_event,
-                                     grammar_constraint(req.params, active.tokenizer), req.logprobs)
+            gen_req = replace(choice.request, abort=job.abort_event,
+                              grammar=grammar_constraint(req.params, active.tokenizer))
             pt = extra.attach(active, gen_req) if extra is not None else None
             pieces: List[str] = []
             reason: Optional[str] = None

@@ -4,32 +4,27 @@ error shape; the engine requests for each choice."""
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from kobold_backend.engine.logprobs import MAX_TOP_LOGPROBS
+from kobold_backend.engine.sampler_fields import openai_renames
 from kobold_backend.server.logprobs import KOBOLDCPP_TOP_LOGPROBS
 from kobold_backend.server.schemas import (
     FIELDS,
-    MAX_SEED,
     GenerateParams,
     ValidationFailed,
-    effective_lengths,
     field_schemas,
-    fit_prompt,
     parse_generate,
-    sampler_settings,
 )
 
 # OpenAI / SillyTavern names -> the KoboldAI field they set; the first one present wins, then the field's own
-# name and aliases.
+# name and aliases. The sampler settings' names come from engine/sampler_fields.py.
 RENAMES: Dict[str, Tuple[str, ...]] = {
     "max_length": ("max_tokens", "max_completion_tokens", "max_new_tokens"),
     "stop_sequence": ("stop", "stopping_strings"),
     "sampler_seed": ("seed",),
-    "typical": ("typical_p",),
-    "mirostat": ("mirostat_mode",),
+    **openai_renames(),
     "use_default_badwordsids": ("ignore_eos",),
 }
 # KoboldAI fields that do not apply: the prompt comes from prompt/messages, stop strings are always cut from the
@@ -293,53 +288,43 @@ def _with_beams(params: GenerateParams, logprobs: Optional[int]) -> Optional[int
 
 # -- prompts and engine requests ------------------------------------------------------------------------------
 
-def completion_prompt(params: GenerateParams, prompt: Prompt, tokenizer: Any, server_context: int) -> Tuple[
-        List[int], int]:
-    """(prompt ids, max_new_tokens) of one completion prompt, fitted like the KoboldAI routes: max_tokens is
-    clamped so min(context - 4, 16) tokens stay for the prompt, which loses tokens from its front (BOS kept)."""
-    ctx, max_new = effective_lengths(params, server_context, COMPLETION_MAX_TOKENS)
-    budget = ctx - max_new
-    if isinstance(prompt, str):
-        ids = fit_prompt(tokenizer, "", prompt, budget)
-    else:
+def prompt_and_length(params: GenerateParams, prompt: Prompt, tokenizer: Any, model_context: int,
+                      chat: bool) -> Tuple[List[int], int]:
+    """(prompt ids, max_new_tokens) by the engine's context policy. A completion prompt is fitted like the KoboldAI
+    routes (max_tokens, default 16, clamped so min(context - 4, 16) tokens stay for the prompt, which loses tokens
+    from its front, BOS kept); chat messages stay whole and max_tokens defaults to the rest of the context."""
+    from kobold_backend.engine.request import fit_ids, fit_lengths, fit_text, new_tokens_to_fill, request_context
+
+    if chat:
         ids = list(prompt)
-        if len(ids) > budget:
-            bos = getattr(tokenizer, "bos_id", None)
-            head = ids[:1] if bos is not None and ids[0] == bos else []
-            ids = head + ids[len(ids) - (budget - len(head)):]
+        context = request_context(model_context, params.max_context_length)
+        if len(ids) >= context:
+            raise OpenAIError(f"This model's context holds {context} tokens, but the messages take {len(ids)}.",
+                              400, "messages", "context_length_exceeded")
+        return ids, new_tokens_to_fill(context, len(ids), params.max_length)
+    wanted = COMPLETION_MAX_TOKENS if params.max_length is None else params.max_length
+    budget, max_new = fit_lengths(model_context, wanted, params.max_context_length)
+    if isinstance(prompt, str):
+        ids = fit_text(tokenizer, "", prompt, budget)
+    else:
+        ids = fit_ids(prompt, budget, getattr(tokenizer, "bos_id", None))
     if not ids:
         raise invalid("prompt", "The prompt is empty and this model has no BOS token to start from.")
     return ids, max_new
 
 
-def chat_lengths(params: GenerateParams, prompt_ids: List[int], server_context: int) -> int:
-    """max_new_tokens of a chat prompt: max_tokens (default: the rest of the context), at most what fits."""
-    ctx = server_context if params.max_context_length is None else min(params.max_context_length, server_context)
-    room = ctx - len(prompt_ids)
-    if room < 1:
-        raise OpenAIError(f"This model's context holds {ctx} tokens, but the messages take {len(prompt_ids)}.",
-                          400, "messages", "context_length_exceeded")
-    return room if params.max_length is None else min(params.max_length, room)
-
-
-def first_seed(params: GenerateParams) -> int:
-    """sampler_seed/seed, or a random one; choice j of every prompt uses first_seed + j."""
-    seed = params.sampler_seed
-    return seed if seed >= 0 else random.getrandbits(63)
-
-
-def engine_request(params: GenerateParams, prompt_ids: List[int], max_new: int, seed: int, abort: Any,
-                   grammar: Any = None, logprobs: Optional[int] = None) -> Any:
-    """The GenerationRequest of one choice: the KoboldAI sampler settings, stop strings cut from the output, the
-    choice's own GrammarConstraint (schemas.grammar_constraint) when the body has a grammar, and the number of
-    alternatives per token to report when it asked for logprobs."""
-    from kobold_backend.engine.generator import GenerationRequest
+def openai_request(params: GenerateParams, prompt_ids: List[int], max_new: int, seed: int,
+                   logprobs: Optional[int] = None) -> Any:
+    """The GenerationRequest of one prompt's n choices: the KoboldAI sampler settings, stop strings cut from the
+    output, and the number of alternatives per token to report when the body asked for logprobs. The worker adds
+    the abort event and each choice's own GrammarConstraint (schemas.grammar_constraint)."""
+    from kobold_backend.engine.request import GenerationRequest
 
     return GenerationRequest(
-        prompt_ids=list(prompt_ids), max_new_tokens=max_new, settings=sampler_settings(params),
+        prompt_ids=list(prompt_ids), max_new_tokens=max_new, settings=params.settings,
         stop_strings=tuple(params.stop_sequence), ban_eos=params.use_default_badwordsids,
-        bypass_eos=params.bypass_eos, seed=seed % (MAX_SEED + 1), abort=abort,
-        banned_strings=tuple(params.banned_tokens), trim_stop=True, grammar=grammar, logprobs=logprobs,
+        bypass_eos=params.bypass_eos, seed=seed, banned_strings=tuple(params.banned_tokens), trim_stop=True,
+        logprobs=logprobs, n=params.n,
     )
 
 

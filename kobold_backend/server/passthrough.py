@@ -44,10 +44,11 @@ def from_body(state: Any, body: Any, params: Any) -> Optional[RequestPassthrough
     if config is None:
         raise PassthroughDisabled()
     from kobold_backend.engine.passthrough import build_passthrough
-    from kobold_backend.server.schemas import effective_lengths
+    from kobold_backend.engine.request import fit_lengths
 
     active = state.require_model()
-    ctx, max_new = effective_lengths(params, active.max_context, state.config.default_max_length)
-    build_passthrough(spec, active.lm.model, config, prompt_tokens=ctx - max_new, max_new_tokens=max_new,
+    wanted = state.config.default_max_length if params.max_length is None else params.max_length
+    budget, max_new = fit_lengths(active.max_context, wanted, params.max_context_length)
+    build_passthrough(spec, active.lm.model, config, prompt_tokens=budget, max_new_tokens=max_new,
                       max_positions=active.max_context)
     return RequestPassthrough(spec, config)

@@ -1,15 +1,15 @@
 """The KoboldAI/KoboldCpp generation body: one field table drives validation (422 per field), the
-GenerationRequest built from it (context fitting, memory, stops, bans) and the OpenAPI schema."""
+GenerationRequest built from it (`kobold_request`; context fitting is the engine's, engine/request.py) and the
+OpenAPI schema."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-import random
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from kobold_backend.engine.sampler_fields import BY_NAME, SAMPLER_FIELDS
 from kobold_backend.errors import RequestError
 from kobold_backend.server.logprobs import KOBOLDCPP_TOP_LOGPROBS
 
@@ -17,7 +17,6 @@ MAX_SEED = 2**64 - 1
 MAX_STOP_SEQUENCES = 32
 MAX_BANNED_STRINGS = 48
 MAX_LOGIT_BIASES = 32
-MAX_DRY_BREAKERS = 24
 
 
 class ValidationFailed(Exception):
@@ -45,7 +44,17 @@ class Field:
     required: bool = False
 
 
+def kobold_field(name: str) -> Field:
+    """The body key of the sampler setting `name`, as engine/sampler_fields.py declares it (KoboldCpp's default and
+    range, its aliases)."""
+    f = BY_NAME[name]
+    low, high = f.wire_range()
+    return Field(f.kobold or name, f.kind, f.wire_default(), f.kobold_doc or f.doc, minimum=low, maximum=high,
+                 aliases=f.kobold_aliases, max_items=f.max_items)
+
+
 F = Field
+K = kobold_field
 FIELDS: Tuple[Field, ...] = (
     F("prompt", "string", None, "The text to continue.", required=True),
     F("memory", "string", "", "Text kept at the front of the context when the prompt is trimmed to fit."),
@@ -56,25 +65,19 @@ FIELDS: Tuple[Field, ...] = (
       minimum=1),
     F("n", "integer", 1, "Number of completions, generated one after another (streaming uses 1).",
       minimum=1, maximum=5),
-    F("temperature", "number", 0.7, "Sampling temperature; 0 picks the most likely token.", minimum=0),
-    F("top_k", "integer", 100, "Top-k (0 = off).", minimum=0),
-    F("top_p", "number", 0.92, "Top-p / nucleus (1 = off).", minimum=0, maximum=1),
-    F("top_a", "number", 0.0, "Top-a (0 = off).", minimum=0),
-    F("min_p", "number", 0.0, "Min-p (0 = off); runs with top-p in sampler slot 2.", minimum=0, maximum=1),
-    F("typical", "number", 1.0, "Typical sampling (1 = off).", minimum=0, maximum=1),
-    F("tfs", "number", 1.0, "Tail-free sampling (1 = off).", minimum=0, maximum=1),
-    F("rep_pen", "number", 1.0, "Repetition penalty (KoboldCpp semantics; 1 = off). Aliases "
-      "repeat_penalty and repetition_penalty; the largest value wins.", minimum=1,
-      aliases=("repeat_penalty", "repetition_penalty")),
-    F("rep_pen_range", "integer", 320, "Tokens looked back by the repetition penalty.", minimum=0),
-    F("rep_pen_slope", "number", 1.0, "Penalty factor of the older half of the range.", minimum=0),
-    F("presence_penalty", "number", 0.0, "Subtracted from every token seen in the range.", minimum=-100,
-      maximum=100),
-    F("frequency_penalty", "number", 0.0, "Subtracted per occurrence of a token in the range.", minimum=-100,
-      maximum=100),
-    F("sampler_order", "int_list", (6, 0, 1, 3, 4, 2, 5), "Sampler ids 0-6 (0 top-k, 1 top-a, 2 top-p/min-p, "
-      "3 tfs, 4 typical, 5 temperature, 6 rep pen); 6 is prepended when missing.", minimum=0, maximum=6,
-      max_items=7),
+    K("temperature"),
+    K("top_k"),
+    K("top_p"),
+    K("top_a"),
+    K("min_p"),
+    K("typical"),
+    K("tfs"),
+    K("rep_pen"),
+    K("rep_pen_range"),
+    K("rep_pen_slope"),
+    K("presence_penalty"),
+    K("frequency_penalty"),
+    K("sampler_order"),
     F("sampler_seed", "integer", -1, "Seed of the sampler's RNG; -1 = random.", minimum=-1, maximum=MAX_SEED),
     F("sampler_full_determinism", "boolean", False, "Accepted; every seeded request is deterministic here.",
       used=False),
@@ -84,21 +87,20 @@ FIELDS: Tuple[Field, ...] = (
       aliases=("ban_eos_token",)),
     F("bypass_eos", "boolean", False, "The EOS token may be sampled but does not end the generation."),
     F("singleline", "boolean", False, "Stop at the first newline (not included in the output)."),
-    F("mirostat", "integer", 0, "Mirostat mode 0 (off), 1 or 2.", minimum=0, maximum=2),
-    F("mirostat_tau", "number", 5.0, "Mirostat target surprise.", minimum=0),
-    F("mirostat_eta", "number", 0.1, "Mirostat learning rate.", minimum=0),
-    F("dry_multiplier", "number", 0.0, "DRY multiplier (0 = off).", minimum=0),
-    F("dry_base", "number", 1.75, "DRY base.", minimum=1),
-    F("dry_allowed_length", "integer", 2, "DRY: repeats up to this length are free.", minimum=0),
-    F("dry_penalty_last_n", "integer", 320, "DRY look-back (<= 0: the whole context).", minimum=-1),
-    F("dry_sequence_breakers", "string_list", ("\n", ":", '"', "*"), "DRY sequence breakers: a list or a JSON "
-      "string of a list (at most 24 are used).", max_items=MAX_DRY_BREAKERS),
-    F("xtc_threshold", "number", 0.2, "XTC threshold (> 0.5 turns XTC off).", minimum=0, maximum=1),
-    F("xtc_probability", "number", 0.0, "XTC probability (0 = off).", minimum=0, maximum=1),
-    F("dynatemp_range", "number", 0.0, "Dynamic temperature range (0 = off).", minimum=0),
-    F("dynatemp_exponent", "number", 1.0, "Dynamic temperature exponent.", minimum=0),
-    F("smoothing_factor", "number", 0.0, "Quadratic smoothing factor (0 = off).", minimum=0),
-    F("logit_bias", "bias_map", {}, "Token id -> bias added to its logit, clamped to [-100, 100] (at most 32)."),
+    K("mirostat"),
+    K("mirostat_tau"),
+    K("mirostat_eta"),
+    K("dry_multiplier"),
+    K("dry_base"),
+    K("dry_allowed_length"),
+    K("dry_penalty_last_n"),
+    K("dry_sequence_breakers"),
+    K("xtc_threshold"),
+    K("xtc_probability"),
+    K("dynatemp_range"),
+    K("dynatemp_exponent"),
+    K("smoothing_factor"),
+    K("logit_bias"),
     F("custom_token_bans", "string", "", "Comma-separated token ids that may not be generated."),
     F("banned_tokens", "string_list", (), "Strings that may not appear in the output (at most 48).",
       aliases=("banned_strings",), max_items=MAX_BANNED_STRINGS),
@@ -145,6 +147,7 @@ class GenerateParams:
 
     values: Dict[str, Any]
     stream: bool = False
+    settings: Any = None  # the engine's SamplerSettings, built and validated once by parse_generate
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -155,10 +158,12 @@ class GenerateParams:
 
 # -- validation -------------------------------------------------------------------------------------
 
-def _range_message(f: Field) -> str:
-    def fmt(x: float) -> str:
-        return str(int(x)) if float(x).is_integer() else str(x)
+def _number_text(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
 
+
+def _range_message(f: Field) -> str:
+    fmt = _number_text
     if f.minimum is not None and f.maximum is not None:
         return f"Must be greater than or equal to {fmt(f.minimum)} and less than or equal to {fmt(f.maximum)}."
     if f.minimum is not None:
@@ -331,65 +336,26 @@ def parse_generate(body: Any, stream: bool = False) -> GenerateParams:
         raise ValidationFailed({"num_beams": ["Beam search cannot be combined with logprobs."]})
     params = GenerateParams(values=values, stream=stream)
     try:
-        sampler_settings(params).validate()
+        params.settings = sampler_settings(params)
+        params.settings.validate()
     except RequestError as e:
         raise ValidationFailed({e.field or "_schema": [str(e)]}) from None
     return params
 
 
 def sampler_settings(params: GenerateParams) -> Any:
-    """The engine's SamplerSettings for these params (KoboldCpp repetition-penalty semantics)."""
+    """The engine's SamplerSettings for these params: every setting with a KoboldAI key (engine/sampler_fields.py),
+    KoboldCpp's repetition-penalty rule, custom_token_bans as banned ids (a DRY look-back of -1 reads as 0: the
+    whole context)."""
     from kobold_backend.engine.sampling import SamplerSettings
 
     v = params.values
-    wanted = {
-        "temperature": float(v["temperature"]), "top_k": int(v["top_k"]), "top_p": float(v["top_p"]),
-        "top_a": float(v["top_a"]), "tfs": float(v["tfs"]), "typical": float(v["typical"]),
-        "min_p": float(v["min_p"]), "rep_pen": float(v["rep_pen"]), "rep_pen_range": int(v["rep_pen_range"]),
-        "rep_pen_slope": float(v["rep_pen_slope"]), "rep_pen_mode": "koboldcpp",
-        "presence_penalty": float(v["presence_penalty"]), "frequency_penalty": float(v["frequency_penalty"]),
-        "sampler_order": tuple(v["sampler_order"]), "dynatemp_range": float(v["dynatemp_range"]),
-        "dynatemp_exponent": float(v["dynatemp_exponent"]), "smoothing_factor": float(v["smoothing_factor"]),
-        "mirostat": int(v["mirostat"]), "mirostat_tau": float(v["mirostat_tau"]),
-        "mirostat_eta": float(v["mirostat_eta"]), "dry_multiplier": float(v["dry_multiplier"]),
-        "dry_base": float(v["dry_base"]), "dry_allowed_length": int(v["dry_allowed_length"]),
-        "dry_penalty_last_n": max(0, int(v["dry_penalty_last_n"])),
-        "dry_sequence_breakers": tuple(v["dry_sequence_breakers"]),
-        "xtc_threshold": float(v["xtc_threshold"]), "xtc_probability": float(v["xtc_probability"]),
-        "logit_bias": dict(v["logit_bias"]), "banned_token_ids": tuple(v["custom_token_bans"]),
-    }
-    known = {f.name for f in dataclasses.fields(SamplerSettings)}
-    return SamplerSettings(**{k: val for k, val in wanted.items() if k in known})
+    values: Dict[str, Any] = {f.name: v[f.kobold] for f in SAMPLER_FIELDS if f.kobold is not None}
+    values["dry_penalty_last_n"] = max(0, values["dry_penalty_last_n"])
+    return SamplerSettings(**values, rep_pen_mode="koboldcpp", banned_token_ids=tuple(v["custom_token_bans"]))
 
 
-# -- context fitting and the engine request ----------------------------------------------------------
-
-def effective_lengths(params: GenerateParams, server_context: int, default_max_length: int) -> Tuple[int, int]:
-    """(context, max_new_tokens): the request's context capped by the server's, and max_length clamped so
-    that at least min(context - 4, 16) tokens (and never fewer than one) stay for the prompt."""
-    ctx = server_context if params.max_context_length is None else min(params.max_context_length, server_context)
-    ctx = max(2, ctx)
-    max_new = default_max_length if params.max_length is None else params.max_length
-    reserve = max(1, min(ctx - 4, 16))
-    return ctx, max(1, min(max_new, ctx - reserve))
-
-
-def fit_prompt(tokenizer: Any, memory: str, prompt: str, budget: int) -> List[int]:
-    """Token ids of BOS (when the tokenizer adds one) + memory + prompt in at most `budget` tokens; the prompt
-    loses tokens from its front first, then the memory does. Texts are tokenized from their end
-    (engine.tokenizer.encode_tail), so a prompt far longer than the context costs what the kept part costs."""
-    from kobold_backend.engine.tokenizer import encode_tail
-
-    bos = [int(i) for i in tokenizer.prefix_ids]
-    keep = max(0, budget - len(bos))
-    joint, whole = encode_tail(tokenizer, memory + prompt, keep)
-    if whole:
-        return bos + joint
-    mem, _ = encode_tail(tokenizer, memory, keep) if memory else ([], True)
-    room = keep - len(mem)
-    body, _ = encode_tail(tokenizer, prompt, room)
-    return bos + mem + body
-
+# -- the engine request ------------------------------------------------------------------------------------------
 
 def grammar_constraint(params: GenerateParams, tokenizer: Any) -> Any:
     """A fresh GrammarConstraint for `grammar` or `json_schema`, or None; RequestError (422) when it is invalid or
@@ -402,33 +368,30 @@ def grammar_constraint(params: GenerateParams, tokenizer: Any) -> Any:
     return GrammarConstraint.build(tokenizer, gbnf=gbnf, json_schema=params.json_schema)
 
 
-def build_requests(params: GenerateParams, tokenizer: Any, server_context: int, default_max_length: int,
-                   abort: Any = None) -> List[Any]:
-    """One GenerationRequest per completion (n); seeds are consecutive from sampler_seed (or random)."""
-    from kobold_backend.engine.generator import GenerationRequest
+def kobold_request(params: GenerateParams, tokenizer: Any, model_context: int, default_max_length: int,
+                   abort: Any = None) -> Any:
+    """The KoboldAI/KoboldCpp body as the engine's GenerationRequest: max_length clamped and memory + prompt
+    trimmed by the engine's context policy, singleline as a "\\n" stop, n completions (1 when streaming) seeded
+    from sampler_seed (or a random seed)."""
+    from kobold_backend.engine.request import GenerationRequest, fit_lengths, fit_text
 
-    ctx, max_new = effective_lengths(params, server_context, default_max_length)
-    prompt_ids = fit_prompt(tokenizer, params.memory, params.prompt, ctx - max_new)
+    wanted = default_max_length if params.max_length is None else params.max_length
+    budget, max_new = fit_lengths(model_context, wanted, params.max_context_length)
+    prompt_ids = fit_text(tokenizer, params.memory, params.prompt, budget)
     if not prompt_ids:
         raise RequestError("The prompt is empty and this model has no BOS token to start from.", "prompt")
-    stops = tuple(params.stop_sequence) + (("\n",) if params.singleline else ())
-    negative: List[int] = []
+    negative: Tuple[int, ...] = ()
     if params.negative_prompt and params.guidance_scale != 1.0:
-        negative = fit_prompt(tokenizer, "", params.negative_prompt, ctx - max_new)
-    seed = params.sampler_seed if params.sampler_seed >= 0 else random.getrandbits(63)
-    n = 1 if params.stream else params.n
-    return [
-        GenerationRequest(
-            prompt_ids=list(prompt_ids), max_new_tokens=max_new, settings=sampler_settings(params),
-            stop_strings=stops, ban_eos=params.use_default_badwordsids, bypass_eos=params.bypass_eos,
-            seed=(seed + i) % (MAX_SEED + 1), abort=abort, banned_strings=tuple(params.banned_tokens),
-            trim_stop=params.trim_stop, negative_prompt_ids=negative, guidance_scale=params.guidance_scale,
-            num_beams=params.num_beams, beam_length=params.beam_length,
-            grammar=grammar_constraint(params, tokenizer),
-            logprobs=KOBOLDCPP_TOP_LOGPROBS if params.logprobs else None,
-        )
-        for i in range(n)
-    ]
+        negative = tuple(fit_text(tokenizer, "", params.negative_prompt, budget))
+    return GenerationRequest(
+        prompt_ids=prompt_ids, max_new_tokens=max_new, settings=params.settings,
+        stop_strings=tuple(params.stop_sequence) + (("\n",) if params.singleline else ()),
+        ban_eos=params.use_default_badwordsids, bypass_eos=params.bypass_eos,
+        seed=params.sampler_seed, abort=abort, banned_strings=tuple(params.banned_tokens),
+        trim_stop=params.trim_stop, negative_prompt_ids=negative, guidance_scale=params.guidance_scale,
+        num_beams=params.num_beams, beam_length=params.beam_length, grammar=grammar_constraint(params, tokenizer),
+        logprobs=KOBOLDCPP_TOP_LOGPROBS if params.logprobs else None, n=1 if params.stream else params.n,
+    )
 
 
 def kobold_finish_reason(reason: Optional[str]) -> str:
@@ -436,7 +399,25 @@ def kobold_finish_reason(reason: Optional[str]) -> str:
     return "stop" if reason == "stop" else "length"
 
 
-# -- OpenAPI ------------------------------------------------------------------------------------------
+# -- docs and OpenAPI ------------------------------------------------------------------------------------------
+
+def markdown_table() -> str:
+    """The field table of docs/api.md, from FIELDS (tests/test_request_path.py checks that the page holds it)."""
+    rows = ["| field | type | range | default | meaning |", "|---|---|---|---|---|"]
+    for f in FIELDS:
+        name = f"`{f.name}`" + (" (alias " + ", ".join(f"`{a}`" for a in f.aliases) + ")" if f.aliases else "")
+        kind = "integer list" if f.kind == "int_list" else f.kind.replace("_", " ")
+        if f.minimum is not None and f.maximum is not None:
+            span = f"{_number_text(f.minimum)}..{_number_text(f.maximum)}"
+        elif f.minimum is not None:
+            span = f">= {_number_text(f.minimum)}"
+        else:
+            span = "" if f.maximum is None else f"<= {_number_text(f.maximum)}"
+        value = list(f.default) if isinstance(f.default, tuple) else f.default
+        default = "required" if f.required else "" if value is None else f"`{json.dumps(value)}`"
+        rows.append(f"| {name} | {kind} | {span} | {default} | {f.description} |")
+    return "\n".join(rows) + "\n"
+
 
 def openapi_schema() -> Dict[str, Any]:
     """JSON Schema of the generation body, derived from FIELDS."""

@@ -22,7 +22,7 @@ def _origins(value: str) -> Tuple[str, ...]:
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `serve` on the CLI's subparsers and return its parser."""
-    from kobold_backend.cli import add_model_arguments
+    from kobold_backend.cli.model_args import add_model_arguments
     from kobold_backend.flag_types import existing_dir, existing_file, int_at_least
 
     p = subparsers.add_parser("serve", help="serve the KoboldAI/KoboldCpp HTTP API and a web page",
@@ -78,7 +78,7 @@ def _chat_template(path: Optional[Path]) -> Optional[str]:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Bind the port, load the model, then serve until interrupted."""
-    from kobold_backend.cli_split import split_from_args
+    from kobold_backend.cli.split import split_from_args
     from kobold_backend.progress import stderr_progress
     from kobold_backend.server.app import create_app
     from kobold_backend.server.auth import is_loopback

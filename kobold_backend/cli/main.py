@@ -11,86 +11,43 @@ import argparse
 import importlib
 import importlib.util
 import logging
+import math
 import sys
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from kobold_backend import __version__
-from kobold_backend.cli_split import add_split_arguments, split_from_args
+from kobold_backend.cli.model_args import add_model_arguments, load_from_args
+from kobold_backend.cli.serve import add_serve_parser, run_serve
 from kobold_backend.errors import KoboldBackendError
-from kobold_backend.flag_types import (
-    ArgumentParser,
-    HelpFormatter,
-    device_name,
-    dtype_name,
-    existing_path,
-    float_in,
-    int_at_least,
-)
-from kobold_backend.progress import stderr_progress
+from kobold_backend.flag_types import ArgumentParser, HelpFormatter, float_in, int_at_least
 
 if TYPE_CHECKING:
-    from kobold_backend.engine.loader import LoadedModel
+    from kobold_backend.engine.request import GenerationRequest
 
 log = logging.getLogger("kobold_backend")
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by every subcommand that loads a model."""
-    parser.add_argument("--model", type=existing_path, metavar="PATH",
-                        help="model folder (safetensors: dense, GPTQ, AWQ) or a .gguf file (default: the built-in "
-                             "demo model)")
-    parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", type=dtype_name, default=None, metavar="{float16,bfloat16,float32}",
-                        help="compute dtype (default: float16 on a GPU, bfloat16 for bf16 checkpoints, float32 on "
-                             "the CPU)")
-    parser.add_argument("--max-context", type=int_at_least(2), default=None, metavar="N",
-                        help="KV cache size in tokens, at least 2 (default: the model's max_position_embeddings, "
-                             "at most 8192)")
-    parser.add_argument("--rope-alpha", type=float_in(0, above=True), default=1.0, help="NTK RoPE alpha (exllama's -a)")
-    parser.add_argument("--compress-pos-emb", type=float_in(0, above=True), default=1.0,
-                        help="linear RoPE compression factor")
-    parser.add_argument("--embed-on-cpu", action="store_true", help="keep the embedding table in system RAM")
-    add_split_arguments(parser)
-
-
-def load_from_args(args: argparse.Namespace) -> LoadedModel:
-    """Load --model (or build the demo model) with progress on stderr."""
-    from kobold_backend.engine.loader import load_model
-
-    path = args.model
-    if path is None:
-        from kobold_backend.demo import ensure_demo_model
-
-        path = ensure_demo_model(progress=stderr_progress("building demo model"))
-        log.warning("no --model given: using the built-in demo model at %s", path)
-    layer_devices = split_from_args(args, path, args.max_context)
-    return load_model(
-        path,
-        device=args.device,
-        layer_devices=layer_devices,
-        dtype=args.dtype,
-        max_seq_len=args.max_context,
-        embed_on_cpu=args.embed_on_cpu,
-        rope_alpha=args.rope_alpha,
-        compress_pos_emb=args.compress_pos_emb,
-        progress=stderr_progress("loading"),
-    )
-
-
-def run_generate(args: argparse.Namespace) -> int:
-    from kobold_backend.engine.generator import GenerationRequest, Generator
+def generate_request(args: argparse.Namespace, tokenizer: Any) -> GenerationRequest:
+    """`generate`'s flags as the engine's request (the prompt is not trimmed: the generator refuses one that does
+    not fit)."""
+    from kobold_backend.engine.request import GenerationRequest
     from kobold_backend.engine.sampling import SamplerSettings
 
-    lm = load_from_args(args)
-    generator = Generator(lm.model, lm.tokenizer)
     settings = SamplerSettings(
         temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
         rep_pen=args.rep_pen,
     )
-    prompt_ids = lm.tokenizer.encode(args.prompt, add_bos=True)
-    request = GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=args.max_new_tokens, settings=settings,
-                                seed=args.seed, stop_strings=tuple(args.stop or ()))
-    for event in generator.stream(request):
+    return GenerationRequest(prompt_ids=tokenizer.encode(args.prompt, add_bos=True),
+                             max_new_tokens=args.max_new_tokens, settings=settings, seed=args.seed,
+                             stop_strings=tuple(args.stop or ()))
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from kobold_backend.engine.generator import Generator
+
+    lm = load_from_args(args)
+    generator = Generator(lm.model, lm.tokenizer)
+    for event in generator.stream(generate_request(args, lm.tokenizer)):
         sys.stdout.write(event.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -99,6 +56,24 @@ def run_generate(args: argparse.Namespace) -> int:
     log.info("%d prompt tokens in %.3f s, %d new tokens at %.1f tokens/s (%s)", s.prompt_tokens,
              s.prefill_seconds, s.completion_tokens, rate, s.finish_reason)
     return 0
+
+
+# The sampler settings `generate` takes as flags, with the command's defaults.
+GENERATE_SAMPLER_DEFAULTS = {"temperature": 0.7, "top_k": 0, "top_p": 0.92, "rep_pen": 1.0}
+
+
+def add_sampler_flag(parser: argparse.ArgumentParser, name: str, default: float) -> None:
+    """--NAME for one sampler setting: its type, range and help from engine/sampler_fields.py (the KoboldAI range,
+    as the HTTP routes check it)."""
+    from kobold_backend.engine.sampler_fields import BY_NAME
+
+    f = BY_NAME[name]
+    low, high = f.wire_range()
+    if f.kind == "integer":
+        kind = int_at_least(int(low if low is not None else -(2**63)), None if high is None else int(high))
+    else:
+        kind = float_in(-math.inf if low is None else low, math.inf if high is None else high)
+    parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=f.doc)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -110,10 +85,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=100, metavar="N",
                    help="tokens to generate, at least 1")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument("--temperature", type=float_in(0), default=0.7, help="sampling temperature; 0 is greedy")
-    p.add_argument("--top-k", type=int_at_least(0), default=0, help="top-k, 0 = off")
-    p.add_argument("--top-p", type=float_in(0, 1), default=0.92, help="top-p (nucleus), 1 = off")
-    p.add_argument("--rep-pen", type=float_in(1), default=1.0, help="repetition penalty, 1 = off")
+    for name, default in GENERATE_SAMPLER_DEFAULTS.items():
+        add_sampler_flag(p, name, default)
     p.add_argument("--seed", type=int_at_least(0, 2**64 - 1), default=None,
                    help="sampler seed (default: a random one)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
@@ -137,7 +110,7 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_optional(sub: argparse._SubParsersAction, module: str, adder: str, runner: str) -> None:
-    """Subcommands that live in their own modules (serve, host, wheels, bench)."""
+    """Subcommands that live in other rooms (host, wheels, bench), added when their module is present."""
     if importlib.util.find_spec(module) is None:
         return
     mod = importlib.import_module(module)
@@ -147,7 +120,6 @@ def _add_optional(sub: argparse._SubParsersAction, module: str, adder: str, runn
 
 
 SUBCOMMANDS = [
-    ("kobold_backend.cli_serve", "add_serve_parser", "run_serve"),
     ("kobold_backend.host.install", "add_install_plugin_parser", "run_install_plugin"),
     ("kobold_backend.wheels", "add_install_ext_parser", "run_install_ext"),
     ("kobold_backend.bench", "add_bench_parser", "run_bench"),
@@ -162,6 +134,7 @@ def build_parser() -> ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
     _add_doctor(sub)
+    add_serve_parser(sub).set_defaults(func=run_serve)
     for module, adder, runner in SUBCOMMANDS:
         _add_optional(sub, module, adder, runner)
     for command in sub.choices.values():

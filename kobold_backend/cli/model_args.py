@@ -1,0 +1,60 @@
+"""Options shared by every subcommand that loads a model (--model, --device, --dtype, --max-context, RoPE, the
+layer split) and the one function that loads a model from them, with progress on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import TYPE_CHECKING
+
+from kobold_backend.cli.split import add_split_arguments, split_from_args
+from kobold_backend.flag_types import device_name, dtype_name, existing_path, float_in, int_at_least
+from kobold_backend.progress import stderr_progress
+
+if TYPE_CHECKING:
+    from kobold_backend.engine.loader import LoadedModel
+
+log = logging.getLogger("kobold_backend")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every subcommand that loads a model."""
+    parser.add_argument("--model", type=existing_path, metavar="PATH",
+                        help="model folder (safetensors: dense, GPTQ, AWQ) or a .gguf file (default: the built-in "
+                             "demo model)")
+    parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", type=dtype_name, default=None, metavar="{float16,bfloat16,float32}",
+                        help="compute dtype (default: float16 on a GPU, bfloat16 for bf16 checkpoints, float32 on "
+                             "the CPU)")
+    parser.add_argument("--max-context", type=int_at_least(2), default=None, metavar="N",
+                        help="KV cache size in tokens, at least 2 (default: the model's max_position_embeddings, "
+                             "at most 8192)")
+    parser.add_argument("--rope-alpha", type=float_in(0, above=True), default=1.0, help="NTK RoPE alpha (exllama's -a)")
+    parser.add_argument("--compress-pos-emb", type=float_in(0, above=True), default=1.0,
+                        help="linear RoPE compression factor")
+    parser.add_argument("--embed-on-cpu", action="store_true", help="keep the embedding table in system RAM")
+    add_split_arguments(parser)
+
+
+def load_from_args(args: argparse.Namespace) -> LoadedModel:
+    """Load --model (or build the demo model) with progress on stderr."""
+    from kobold_backend.engine.loader import load_model
+
+    path = args.model
+    if path is None:
+        from kobold_backend.demo import ensure_demo_model
+
+        path = ensure_demo_model(progress=stderr_progress("building demo model"))
+        log.warning("no --model given: using the built-in demo model at %s", path)
+    layer_devices = split_from_args(args, path, args.max_context)
+    return load_model(
+        path,
+        device=args.device,
+        layer_devices=layer_devices,
+        dtype=args.dtype,
+        max_seq_len=args.max_context,
+        embed_on_cpu=args.embed_on_cpu,
+        rope_alpha=args.rope_alpha,
+        compress_pos_emb=args.compress_pos_emb,
+        progress=stderr_progress("loading"),
+    )
