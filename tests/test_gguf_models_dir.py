@@ -106,7 +106,7 @@ def test_model_routes_name_the_gguf_format(models: Path) -> None:
 
 def test_doctor_names_the_stored_format(gguf_file: Path, tmp_path: Path) -> None:
     """`kobold-backend doctor --model` reads headers only; for GGUF the figure is the one the loaded model reports."""
-    from kobold_backend.cli import main
+    from kobold_backend.cli.main import main
     from kobold_backend.engine.loader import load_model
 
     loaded = load_model(gguf_file, device="cpu").weight_format
