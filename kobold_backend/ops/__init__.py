@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import torch
 
-from kobold_backend.ops import native, reference
-from kobold_backend.ops.ggml import ggml_matmul
+from kobold_backend.ops import ggml, native, reference
 from kobold_backend.ops.reference import attention, linear
 
 if TYPE_CHECKING:
+    from kobold_backend.ops.ggml import GGMLWeight
     from kobold_backend.ops.gptq_weight import GPTQWeight
 
 __all__ = [
@@ -57,6 +57,13 @@ def add_rms_norm(
 def gptq_matmul(x: torch.Tensor, w: GPTQWeight) -> torch.Tensor:
     k = _kernels(x) if w.bits == 4 else None  # the kernels read 4-bit words
     return reference.gptq_matmul(x, w) if k is None else k.gptq_matmul(x, w)
+
+
+def ggml_matmul(x: torch.Tensor, w: GGMLWeight) -> torch.Tensor:
+    """x [M, K] @ w.T (+ bias) for a linear in a GGML block format: the native kernels where loaded (and built
+    with the GGML kernels), else dequantization + matmul in torch (ops/ggml.py)."""
+    k = _kernels(x)
+    return ggml.ggml_matmul(x, w) if k is None else k.ggml_matmul(x, w)
 
 
 def gptq_dequantize(w: GPTQWeight) -> torch.Tensor:
