@@ -36,6 +36,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="checkpoint folder (default: build a synthetic GPTQ one of --preset's shape)")
     p.add_argument("--preset", default="llama2-7b", choices=sorted(PRESETS), help="shape of the synthetic checkpoint")
     p.add_argument("--act-order", action="store_true", help="synthetic checkpoint with act-order g_idx")
+    p.add_argument("--gguf", action="store_true",
+                   help="a synthetic Q4_K_M GGUF file of --preset's shape instead (llama shapes; needs `gguf`)")
     p.add_argument("--group-size", type=int_at_least(1), default=128, metavar="N",
                    help="GPTQ group size of the synthetic checkpoint")
     p.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N")
@@ -90,7 +92,9 @@ def run_bench(args: argparse.Namespace) -> int:
     quick = args.quick or args.preset.startswith("tiny")
     with tempfile.TemporaryDirectory(prefix="kobold-bench-") as tmp:
         path = args.model
-        if path is None:
+        if path is None and args.gguf:
+            path = str(_synthetic_gguf(Path(tmp), args.preset))
+        elif path is None:
             log.info("writing a synthetic %s GPTQ checkpoint%s", args.preset, " (act-order)" if args.act_order else "")
             path = str(write_synthetic_gptq(Path(tmp) / args.preset, PRESETS[args.preset], args.group_size,
                                             args.act_order, device="cpu" if args.device == "cpu" else None))
@@ -99,6 +103,7 @@ def run_bench(args: argparse.Namespace) -> int:
         log.info("measuring kobold-backend")
         result: Dict[str, Any] = {"environment": environment(), "preset": None if args.model else args.preset,
                                   "act_order": args.act_order, "model": args.model,
+                                  "format": None if args.model else ("gguf Q4_K_M" if args.gguf else "gptq"),
                                   "kobold_backend": bench_engine(path, args.device, use_graphs=not args.no_graphs,
                                                                  **shape)}
         if args.compare:
@@ -124,6 +129,18 @@ def run_bench(args: argparse.Namespace) -> int:
         Path(args.json).write_text(text + "\n")
     sys.stderr.write(format_table(result) + "\n")
     return 0
+
+
+def _synthetic_gguf(folder: Path, preset: str) -> Path:
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise SystemExit("--gguf writes the file with llama.cpp's `gguf` package, which is not installed here: "
+                         "pip install gguf") from None
+    from kobold_backend.bench.gguf_checkpoint import write_synthetic_gguf
+
+    log.info("writing a synthetic %s Q4_K_M GGUF file", preset)
+    return write_synthetic_gguf(folder / f"{preset}-Q4_K_M.gguf", PRESETS[preset])
 
 
 def format_table(result: Dict[str, Any]) -> str:
