@@ -140,6 +140,15 @@ def test_ops_dispatch_uses_the_kernels_and_falls_back_without_them(cpu: native.C
     assert_rel(ops.ggml_matmul(x, w), oracle(x, w), 2e-5, "torch fallback")
 
 
+def test_doctor_names_the_ggml_path(cpu: native.CpuKernels) -> None:
+    from kobold_backend.doctor import doctor_report
+
+    lines = doctor_report().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("CPU kernels: "))
+    ggml_line = next(line for line in lines[at:] if "GGML block kernels" in line)
+    assert ggml_line.endswith(": native") and "Q4_K" in ggml_line
+
+
 def test_cpu_kernel_refuses_a_type_it_does_not_know(cpu: native.CpuKernels) -> None:
     with pytest.raises(ValueError, match="unsupported block type 99"):
         cpu._call("ggml_dequantize", type=99, w=0, row_bytes=0, n=1, k=32, out=0, out_dtype=0)

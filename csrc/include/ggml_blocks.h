@@ -46,15 +46,16 @@ KB_HD uint64_t ld64_a8(const uint8_t* p) { return *reinterpret_cast<const uint64
 
 KB_HD uint32_t byte_of(uint64_t v, int i) { return static_cast<uint32_t>(v >> (8 * i)) & 0xFFu; }
 
-// Q4_K / Q5_K: sub-block s's 6-bit scale and min from the 12 scale bytes.
+// Q4_K / Q5_K: sub-block j's 6-bit scale and min from the 12 scale bytes at `s` (4-byte aligned), read as three
+// words and selected without branches: sub-blocks 0-3 keep theirs in the low 6 bits of bytes j and j + 4; 4-7 take
+// the low / high nibble of byte j + 4 and the top 2 bits of bytes j - 4 / j.
 KB_HD void scale_min_k4(const uint8_t* s, int j, float& sc, float& mn) {
-    if (j < 4) {
-        sc = static_cast<float>(s[j] & 63);
-        mn = static_cast<float>(s[j + 4] & 63);
-    } else {
-        sc = static_cast<float>((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
-        mn = static_cast<float>((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
-    }
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(s);
+    const int shift = 8 * (j & 3);
+    const uint32_t b0 = (w[0] >> shift) & 0xFF, b4 = (w[1] >> shift) & 0xFF, b8 = (w[2] >> shift) & 0xFF;
+    const bool low = j < 4;
+    sc = static_cast<float>(low ? (b0 & 63) : ((b8 & 0xF) | ((b0 >> 6) << 4)));
+    mn = static_cast<float>(low ? (b4 & 63) : ((b8 >> 4) | ((b4 >> 6) << 4)));
 }
 
 template <int T>

@@ -20,7 +20,7 @@ from kobold_backend.ops.ggml import GGML_TYPES, TYPE_IDS
 
 # Byte offset and value of each block type's fp16 scale fields, chosen so the weights have a spread near 0.01
 # (Q4_K: d * sc * q - dmin * m with sc, m, q uniform; Q6_K: d * sc * (q - 32) with int8 sc).
-_SCALE_FIELDS: Dict[str, Tuple[Tuple[int, float], ...]] = {
+SCALE_FIELDS: Dict[str, Tuple[Tuple[int, float], ...]] = {
     "Q4_K": ((0, 4e-5), (2, 3e-4)),
     "Q6_K": ((208, 6e-6),),
 }
@@ -52,10 +52,10 @@ def q4_k_m_types(shape: Shape) -> Iterator[Tuple[str, Tuple[int, int], str]]:
 
 
 def random_blocks(rows: int, cols: int, type_name: str, rng: np.random.Generator) -> np.ndarray:
-    """uint8 [rows, row bytes]: random quants with the type's scale fields set (see _SCALE_FIELDS)."""
+    """uint8 [rows, row bytes]: random quants with the type's scale fields set (see SCALE_FIELDS)."""
     _, block, size = GGML_TYPES[TYPE_IDS[type_name]]
     data = rng.integers(0, 256, size=(rows * (cols // block), size), dtype=np.uint8)
-    for offset, value in _SCALE_FIELDS[type_name]:
+    for offset, value in SCALE_FIELDS[type_name]:
         data[:, offset:offset + 2] = np.array([value], dtype=np.float16).view(np.uint8)
     return data.reshape(rows, cols // block * size)
 
