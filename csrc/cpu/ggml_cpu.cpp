@@ -51,7 +51,8 @@ struct Gemv {
 #pragma omp parallel for schedule(static) num_threads(clamp_threads(a.threads))
         for (int64_t n = 0; n < a.n; ++n) {
             const uint8_t* row = a.w + n * a.row_bytes;
-            float acc[M] = {};
+            // eight independent partial sums per row of x, so the inner loop is one vector multiply-add
+            float acc[M][8] = {};
             float w[8];
             for (int64_t blk = 0; blk < blocks; ++blk) {
                 const uint8_t* b = row + blk * B::bytes;
@@ -60,14 +61,16 @@ struct Gemv {
                     const int64_t col = blk * B::elements + 8 * j;
                     for (int m = 0; m < M; ++m) {
                         const float* xm = xf + m * a.k + col;
-                        float s = 0.f;
-                        for (int i = 0; i < 8; ++i) s += w[i] * xm[i];
-                        acc[m] += s;
+                        for (int i = 0; i < 8; ++i) acc[m][i] += w[i] * xm[i];
                     }
                 }
             }
             const float bias = a.bias ? load(a.bias, a.bias_dtype, n) : 0.f;
-            for (int m = 0; m < M; ++m) store(a.out, a.out_dtype, m * a.n + n, acc[m] + bias);
+            for (int m = 0; m < M; ++m) {
+                const float s = ((acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3])) +
+                                ((acc[m][4] + acc[m][5]) + (acc[m][6] + acc[m][7]));
+                store(a.out, a.out_dtype, m * a.n + n, s + bias);
+            }
         }
     }
 };
