@@ -245,3 +245,23 @@ def test_cuda_gguf_decode_matches_cpu(plan: str, tmp_path: Path) -> None:
             assert token == int(torch.argmax(b)), f"step {step}"
         a = cpu_lm.model.forward(torch.tensor([[token]]), cpu_cache)[0, -1]
         b = gpu_lm.model.forward(torch.tensor([[token]], device="cuda"), gpu_cache)[0, -1].float().cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_gemv_replays_from_a_cuda_graph(cuda: native.CudaKernels) -> None:
+    """Graph decode captures the GEMV: it runs on the capturing stream and a replay reads the new input."""
+    w = make_weight("Q4_K", 256, 1024, seed=3, random_bytes=True, device="cuda")
+    x = torch.randn(1, 1024, device="cuda").half()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        cuda.ggml_matmul(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = cuda.ggml_matmul(x, w)
+    x.copy_(torch.randn(1, 1024, device="cuda").half())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_rel(y, oracle(x, w), 4e-3, "graph replay")
