@@ -187,6 +187,21 @@ def test_bench_runs_on_a_gguf_file(tmp_path: Path) -> None:
     assert set(decode) == {"16", "100"} and all(v > 0 for v in decode.values())
 
 
+def test_bench_gguf_flag_errors_are_one_sentence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    import sys
+
+    from kobold_backend.cli import main
+
+    assert main(["bench", "--gguf", "--preset", "qwen2.5-7b", "--device", "cpu"]) == 1
+    assert "--gguf writes llama-shaped files; preset qwen2.5-7b is qwen2" in caplog.text
+    assert main(["bench", "--gguf", "--model", str(tmp_path), "--device", "cpu"]) == 1
+    assert "drop it to bench --model" in caplog.text
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError
+    assert main(["bench", "--gguf", "--preset", "llama2-7b", "--device", "cpu"]) == 1
+    assert "llama.cpp's `gguf` package, which is not installed here" in caplog.text
+
+
 # ---------------------------------------------------------------------------------------------- CUDA
 
 @pytest.fixture(scope="module")

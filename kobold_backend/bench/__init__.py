@@ -21,6 +21,7 @@ import torch
 
 from kobold_backend import __version__
 from kobold_backend.bench.checkpoint import PRESETS, write_synthetic_gptq
+from kobold_backend.errors import KoboldBackendError
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ def _compared(bench: Any, path: str) -> Dict[str, Any]:
 def run_bench(args: argparse.Namespace) -> int:
     from kobold_backend.bench.engine_bench import bench_engine
 
+    if args.gguf:
+        _check_gguf_flags(args)
     quick = args.quick or args.preset.startswith("tiny")
     with tempfile.TemporaryDirectory(prefix="kobold-bench-") as tmp:
         path = args.model
@@ -131,12 +134,21 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _synthetic_gguf(folder: Path, preset: str) -> Path:
+def _check_gguf_flags(args: argparse.Namespace) -> None:
+    """--gguf's preconditions, checked before anything is written: one sentence each."""
+    if args.model is not None:
+        raise KoboldBackendError("--gguf writes a synthetic file of --preset's shape; drop it to bench --model")
+    if PRESETS[args.preset].model_type != "llama":
+        raise KoboldBackendError(f"--gguf writes llama-shaped files; preset {args.preset} is "
+                                 f"{PRESETS[args.preset].model_type} (pick llama2-7b, llama2-13b or llama3-8b)")
     try:
         import gguf  # noqa: F401
     except ImportError:
-        raise SystemExit("--gguf writes the file with llama.cpp's `gguf` package, which is not installed here: "
-                         "pip install gguf") from None
+        raise KoboldBackendError("--gguf writes the file with llama.cpp's `gguf` package, which is not installed "
+                                 "here (pip install gguf).") from None
+
+
+def _synthetic_gguf(folder: Path, preset: str) -> Path:
     from kobold_backend.bench.gguf_checkpoint import write_synthetic_gguf
 
     log.info("writing a synthetic %s Q4_K_M GGUF file", preset)
