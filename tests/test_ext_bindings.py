@@ -15,6 +15,7 @@ from kobold_backend.engine.weights import WeightReader
 from kobold_backend.ops.cpu_kernels import CPU_SIGNATURES, CpuKernels
 from kobold_backend.ops.cuda_kernels import CUDA_SIGNATURES, CudaKernels
 from kobold_backend.ops.exl2_weight import EXL2Weight
+from kobold_backend.ops.ggml import GGMLWeight, row_bytes
 from kobold_backend.ops.marshal import call
 from tests.ext_helpers import make_gptq, random, rope_tables
 
@@ -105,6 +106,9 @@ def test_cuda_wrappers_name_every_argument_of_their_kernel(monkeypatch: pytest.M
     ew = exl2_linear()
     k.exl2_matmul(random((2, ew.in_features), half, seed=4), ew)
     k.exl2_dequantize(ew)
+    gw = GGMLWeight(torch.zeros(32, row_bytes("Q8_0", 64), dtype=torch.uint8), "Q8_0", 64, 32)
+    k.ggml_matmul(x, gw)
+    k.ggml_dequantize(gw)
     assert sorted(module.calls) == sorted(CUDA_SIGNATURES)
     c = module.calls
     assert (c["rms_norm"]["rows"], c["rms_norm"]["d"], c["rms_norm"]["eps"]) == (2, 64, pytest.approx(1e-5))
@@ -123,6 +127,8 @@ def test_cuda_wrappers_name_every_argument_of_their_kernel(monkeypatch: pytest.M
     assert (eg["rows"], eg["k"], eg["n"], eg["n_stored"]) == (2, 256, 256, 256)
     assert eg["chunks"] == ew.chunks.data_ptr() and eg["perm"] == ew.perm.data_ptr() and eg["ws"] == (1, 2, 3, 4)
     assert c["exl2_dequantize"]["q_scale_max"] == ew.q_scale_max.data_ptr()
+    assert (c["ggml_gemv"]["type"], c["ggml_gemv"]["rows"], c["ggml_gemv"]["row_bytes"]) == (8, 2, 68)
+    assert c["ggml_dequantize"]["w"] == gw.data.data_ptr()
 
 
 def test_cpu_wrappers_name_every_argument_of_their_kernel() -> None:
@@ -140,8 +146,13 @@ def test_cpu_wrappers_name_every_argument_of_their_kernel() -> None:
     k.rope_cache_write(q, kv, kv, cos.float(), sin.float(), 5, kc, vc)
     k.decode_attention(q[:, 0], kc, vc, 9, 0.25)
     k.silu_mul(x, x)
+    gw = GGMLWeight(torch.zeros(32, row_bytes("Q4_K", 256), dtype=torch.uint8), "Q4_K", 256, 32)
+    k.ggml_matmul(random((3, 256), torch.float32, seed=4), gw)
+    k.ggml_dequantize(gw, torch.float16)
     assert sorted(module.calls) == sorted(CPU_SIGNATURES)
     c = module.calls
     assert (c["gptq_gemv"]["rows"], c["gptq_gemv"]["out_dtype"], c["gptq_gemv"]["bias"]) == (2, 0, 0)
     assert (c["rope_cache_write"]["pos"], c["decode_attention"]["seq_len"]) == (5, 9)
     assert c["silu_mul"]["threads"] == torch.get_num_threads()
+    assert (c["ggml_gemv"]["type"], c["ggml_gemv"]["rows"], c["ggml_gemv"]["k"]) == (12, 3, 256)
+    assert c["ggml_dequantize"]["out_dtype"] == 1

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "ggml_cpu.h"
 #include "kb_common.h"
 #include "ops_cpu.h"
 
@@ -126,6 +127,26 @@ PYBIND11_MODULE(_ext_cpu, m) {
         "silu_mul",
         [](std::uintptr_t gate, std::uintptr_t up, int dtype, int64_t n, std::uintptr_t out, int threads) {
             kb::cpu::silu_mul(ptr<const void>(gate), ptr<const void>(up), dtype, n, ptr<void>(out), threads);
+        },
+        py::call_guard<py::gil_scoped_release>());
+
+    m.def(
+        "ggml_gemv",
+        [](int type, std::uintptr_t w, int64_t row_bytes, int64_t n, int64_t k, std::uintptr_t x, int x_dtype,
+           int64_t x_stride, int64_t rows, std::uintptr_t bias, int bias_dtype, std::uintptr_t out, int out_dtype,
+           int threads) {
+            kb::cpu::GgmlGemvArgs a{type, ptr<const uint8_t>(w), row_bytes, n, k, ptr<const void>(x), x_dtype,
+                                    x_stride, rows, ptr<const void>(bias), bias_dtype, ptr<void>(out), out_dtype,
+                                    threads};
+            kb::cpu::ggml_gemv(a);
+        },
+        py::call_guard<py::gil_scoped_release>());
+
+    m.def(
+        "ggml_dequantize",
+        [](int type, std::uintptr_t w, int64_t row_bytes, int64_t n, int64_t k, std::uintptr_t out, int out_dtype,
+           int threads) {
+            kb::cpu::ggml_dequantize(type, ptr<const uint8_t>(w), row_bytes, n, k, ptr<void>(out), out_dtype, threads);
         },
         py::call_guard<py::gil_scoped_release>());
 }

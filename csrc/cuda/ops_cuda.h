@@ -95,5 +95,24 @@ void decode_attention(const AttnArgs& a);  // D even, D % 8 == 0, D <= 256
 
 void silu_mul(const void* gate, const void* up, int64_t n, void* out, int device, std::uintptr_t stream);
 
+// GGML block formats (ggml.cu; type codes of ggml_blocks.h): fp16 x and out, fp32 accumulation.
+struct GgmlGemvArgs {
+    int type;
+    const void* w;  // [N, row_bytes] blocks as stored
+    int64_t row_bytes, n, k;
+    const void* x;  // fp16 [M, K], 16-byte aligned rows, row stride x_stride
+    int64_t x_stride, m;
+    const void* bias;  // fp16 [N] or null
+    void* out;         // fp16 [M, N] contiguous
+    int device;
+    std::uintptr_t stream;
+};
+
+void ggml_gemv(const GgmlGemvArgs& a);  // M in 1..8, K a multiple of the block
+
+// out fp16 [N, K] = dequant(w)
+void ggml_dequantize(int type, const void* w, int64_t row_bytes, int64_t n, int64_t k, void* out, int device,
+                     std::uintptr_t stream);
+
 }  // namespace cuda
 }  // namespace kb

@@ -21,6 +21,7 @@ import torch
 
 from kobold_backend import __version__
 from kobold_backend.bench.checkpoint import PRESETS, write_synthetic_gptq
+from kobold_backend.errors import KoboldBackendError
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="checkpoint folder (default: build a synthetic GPTQ one of --preset's shape)")
     p.add_argument("--preset", default="llama2-7b", choices=sorted(PRESETS), help="shape of the synthetic checkpoint")
     p.add_argument("--act-order", action="store_true", help="synthetic checkpoint with act-order g_idx")
-    p.add_argument("--format", choices=("gptq", "exl2"), default="gptq",
-                   help="format of the synthetic checkpoint: GPTQ 4-bit, or EXL2 at 4.0 bpw (exllamav2's mixed widths)")
+    p.add_argument("--format", choices=("gptq", "exl2", "gguf"), default="gptq",
+                   help="format of the synthetic checkpoint: GPTQ 4-bit, EXL2 at 4.0 bpw (exllamav2's mixed widths) "
+                        "or a Q4_K_M GGUF file (llama shapes; needs `gguf`)")
     p.add_argument("--group-size", type=int_at_least(1), default=128, metavar="N",
                    help="GPTQ group size of the synthetic checkpoint")
     p.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N")
@@ -89,6 +91,8 @@ def _compared(bench: Any, path: str) -> Dict[str, Any]:
 def run_bench(args: argparse.Namespace) -> int:
     from kobold_backend.bench.engine_bench import bench_engine
 
+    if args.format == "gguf":
+        _check_gguf_flags(args)
     quick = args.quick or args.preset.startswith("tiny")
     with tempfile.TemporaryDirectory(prefix="kobold-bench-") as tmp:
         path = args.model
@@ -98,7 +102,9 @@ def run_bench(args: argparse.Namespace) -> int:
             log.info("writing a synthetic %s EXL2 4.0 bpw checkpoint", args.preset)
             path = str(write_synthetic_exl2(Path(tmp) / args.preset, PRESETS[args.preset],
                                             device="cpu" if args.device == "cpu" else None))
-        if path is None:
+        elif path is None and args.format == "gguf":
+            path = str(_synthetic_gguf(Path(tmp), args.preset))
+        elif path is None:
             log.info("writing a synthetic %s GPTQ checkpoint%s", args.preset, " (act-order)" if args.act_order else "")
             path = str(write_synthetic_gptq(Path(tmp) / args.preset, PRESETS[args.preset], args.group_size,
                                             args.act_order, device="cpu" if args.device == "cpu" else None))
@@ -106,7 +112,8 @@ def run_bench(args: argparse.Namespace) -> int:
                      max_seq_len=256) if quick else {}
         log.info("measuring kobold-backend")
         result: Dict[str, Any] = {"environment": environment(), "preset": None if args.model else args.preset,
-                                  "act_order": args.act_order, "format": args.format, "model": args.model,
+                                  "act_order": args.act_order, "model": args.model,
+                                  "format": None if args.model else args.format,
                                   "kobold_backend": bench_engine(path, args.device, use_graphs=not args.no_graphs,
                                                                  **shape)}
         if args.compare:
@@ -132,6 +139,27 @@ def run_bench(args: argparse.Namespace) -> int:
         Path(args.json).write_text(text + "\n")
     sys.stderr.write(format_table(result) + "\n")
     return 0
+
+
+def _check_gguf_flags(args: argparse.Namespace) -> None:
+    """--format gguf's preconditions, checked before anything is written: one sentence each."""
+    if args.model is not None:
+        raise KoboldBackendError("--format gguf writes a synthetic file of --preset's shape; drop it to bench --model")
+    if PRESETS[args.preset].model_type != "llama":
+        raise KoboldBackendError(f"--format gguf writes llama-shaped files; preset {args.preset} is "
+                                 f"{PRESETS[args.preset].model_type} (pick llama2-7b, llama2-13b or llama3-8b)")
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise KoboldBackendError("--format gguf writes the file with llama.cpp's `gguf` package, which is not "
+                                 "installed here (pip install gguf).") from None
+
+
+def _synthetic_gguf(folder: Path, preset: str) -> Path:
+    from kobold_backend.bench.gguf_checkpoint import write_synthetic_gguf
+
+    log.info("writing a synthetic %s Q4_K_M GGUF file", preset)
+    return write_synthetic_gguf(folder / f"{preset}-Q4_K_M.gguf", PRESETS[preset])
 
 
 def format_table(result: Dict[str, Any]) -> str:

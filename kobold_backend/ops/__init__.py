@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import torch
 
-from kobold_backend.ops import native, reference
+from kobold_backend.ops import ggml, native, reference
 from kobold_backend.ops.exl2_weight import EXL2Weight, exl2_dequantize
-from kobold_backend.ops.ggml import ggml_matmul
 from kobold_backend.ops.reference import attention, linear
 
 if TYPE_CHECKING:
+    from kobold_backend.ops.ggml import GGMLWeight
     from kobold_backend.ops.gptq_weight import GPTQWeight
 
 __all__ = [
@@ -68,6 +68,13 @@ def exl2_matmul(x: torch.Tensor, w: EXL2Weight) -> torch.Tensor:
         return k.exl2_matmul(x, w)
     y = x @ exl2_dequantize(w).to(x.dtype).t()
     return y if w.bias is None else y + w.bias.to(y.dtype)
+
+
+def ggml_matmul(x: torch.Tensor, w: GGMLWeight) -> torch.Tensor:
+    """x [M, K] @ w.T (+ bias) for a linear in a GGML block format: the native kernels where loaded (and built
+    with the GGML kernels), else dequantization + matmul in torch (ops/ggml.py)."""
+    k = _kernels(x)
+    return ggml.ggml_matmul(x, w) if k is None else k.ggml_matmul(x, w)
 
 
 def gptq_dequantize(w: GPTQWeight) -> torch.Tensor:

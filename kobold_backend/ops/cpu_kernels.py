@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from kobold_backend.ops import reference
+from kobold_backend.ops import ggml, reference
 from kobold_backend.ops.marshal import (
     DTYPE_CODES,
     GEMV_MAX_ROWS,
@@ -35,6 +35,9 @@ CPU_SIGNATURES: Dict[str, Tuple[str, ...]] = {
     "decode_attention": ("q", "dtype", "q_sb", "q_sh", "b", "hq", "hkv", "d", "k_cache", "v_cache", "kcs", "vcs",
                          "seq_len", "scale", "out", "threads"),
     "silu_mul": ("gate", "up", "dtype", "n", "out", "threads"),
+    "ggml_gemv": ("type", "w", "row_bytes", "n", "k", "x", "x_dtype", "x_stride", "rows", "bias", "bias_dtype",
+                  "out", "out_dtype", "threads"),
+    "ggml_dequantize": ("type", "w", "row_bytes", "n", "k", "out", "out_dtype", "threads"),
 }
 
 
@@ -162,4 +165,34 @@ class CpuKernels:
         y = out_tensor(out, gate.shape, gate)
         self._call("silu_mul", gate=g.data_ptr(), up=u.data_ptr(), dtype=DTYPE_CODES[g.dtype], n=g.numel(),
                    out=y.data_ptr())
+        return y
+
+    def ggml_dequantize(self, w: ggml.GGMLWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [out_features, in_features] in `dtype`, decoded by the kernel (one rounding per value)."""
+        if (not hasattr(self.module, "ggml_dequantize") or dtype not in DTYPE_CODES
+                or not ggml.kernel_layout_ok(w, w.data.device)):
+            return ggml.ggml_dequantize(w).to(dtype)
+        y = torch.empty((w.out_features, w.in_features), dtype=dtype)
+        self._call("ggml_dequantize", type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(), row_bytes=w.data.shape[1],
+                   n=w.out_features, k=w.in_features, out=y.data_ptr(), out_dtype=DTYPE_CODES[dtype])
+        return y
+
+    def ggml_matmul(self, x: torch.Tensor, w: ggml.GGMLWeight) -> torch.Tensor:
+        """x [M, K] @ w.T (+ bias) in x's dtype: the GEMV for 1..8 rows, else kernel dequantization + one matmul."""
+        if (not hasattr(self.module, "ggml_gemv") or x.dtype not in DTYPE_CODES or x.dim() != 2
+                or x.shape[1] != w.in_features or not ggml.kernel_layout_ok(w, x.device)
+                or (w.bias is not None and w.bias.dtype not in DTYPE_CODES)):
+            return ggml.ggml_matmul(x, w)
+        m = x.shape[0]
+        if not 1 <= m <= GEMV_MAX_ROWS:
+            y = x @ self.ggml_dequantize(w, x.dtype).t()
+            return y if w.bias is None else y + w.bias.to(y.dtype)
+        x2, bias = last_contiguous(x), w.bias
+        bias = None if bias is None else bias.contiguous()
+        y = torch.empty((m, w.out_features), dtype=x.dtype)
+        self._call("ggml_gemv", type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(), row_bytes=w.data.shape[1],
+                   n=w.out_features, k=w.in_features, x=x2.data_ptr(), x_dtype=DTYPE_CODES[x.dtype],
+                   x_stride=x2.stride(0), rows=m, bias=0 if bias is None else bias.data_ptr(),
+                   bias_dtype=0 if bias is None else DTYPE_CODES[bias.dtype], out=y.data_ptr(),
+                   out_dtype=DTYPE_CODES[x.dtype])
         return y

@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from kobold_backend.ops import reference
+from kobold_backend.ops import ggml, reference
 from kobold_backend.ops.exl2_weight import exl2_dequantize as reference_exl2
 from kobold_backend.ops.marshal import (
     DTYPE_CODES,
@@ -50,6 +50,8 @@ CUDA_SIGNATURES: Dict[str, Tuple[str, ...]] = {
     "decode_attention": ("q", "q_sb", "q_sh", "b", "hq", "hkv", "d", "k_cache", "v_cache", "kcs", "vcs", "seq_len",
                          "pos_dev", "scale", "out", "ws", "device", "stream"),
     "silu_mul": ("gate", "up", "n", "out", "device", "stream"),
+    "ggml_gemv": ("type", "w", "row_bytes", "n", "k", "x", "x_stride", "rows", "bias", "out", "device", "stream"),
+    "ggml_dequantize": ("type", "w", "row_bytes", "n", "k", "out", "device", "stream"),
 }
 
 
@@ -263,6 +265,33 @@ class CudaKernels:
         g, u = gate.contiguous(), up.contiguous()
         y = out_tensor(out, gate.shape, gate)
         self._call("silu_mul", gate.device, gate=g.data_ptr(), up=u.data_ptr(), n=g.numel(), out=y.data_ptr())
+        return y
+
+    def ggml_dequantize(self, w: ggml.GGMLWeight) -> torch.Tensor:
+        """The weight [out_features, in_features] in fp16, decoded by the kernel."""
+        if not hasattr(self.module, "ggml_dequantize") or not ggml.kernel_layout_ok(w, w.data.device):
+            return ggml.ggml_dequantize(w).half()
+        y = torch.empty((w.out_features, w.in_features), dtype=torch.float16, device=w.data.device)
+        self._call("ggml_dequantize", w.data.device, type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(),
+                   row_bytes=w.data.shape[1], n=w.out_features, k=w.in_features, out=y.data_ptr())
+        return y
+
+    def ggml_matmul(self, x: torch.Tensor, w: ggml.GGMLWeight) -> torch.Tensor:
+        """fp16 x [M, K] @ w.T (+ bias): the GEMV for 1..8 rows, else kernel dequantization + one cuBLAS GEMM."""
+        if (not hasattr(self.module, "ggml_gemv") or x.dtype != torch.float16 or x.dim() != 2
+                or x.shape[1] != w.in_features or not ggml.kernel_layout_ok(w, x.device)
+                or (w.bias is not None and w.bias.dtype != torch.float16)):
+            return ggml.ggml_matmul(x, w)
+        m = x.shape[0]
+        if not 1 <= m <= GEMV_MAX_ROWS:
+            y = x @ self.ggml_dequantize(w).t()
+            return y if w.bias is None else y + w.bias
+        x2 = x if x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else x.contiguous()
+        bias = None if w.bias is None else w.bias.contiguous()
+        y = torch.empty((m, w.out_features), dtype=torch.float16, device=x.device)
+        self._call("ggml_gemv", x.device, type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(),
+                   row_bytes=w.data.shape[1], n=w.out_features, k=w.in_features, x=x2.data_ptr(),
+                   x_stride=x2.stride(0), rows=m, bias=0 if bias is None else bias.data_ptr(), out=y.data_ptr())
         return y
 
 
