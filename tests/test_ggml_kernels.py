@@ -177,7 +177,7 @@ def test_synthetic_gguf_loads_with_the_q4_k_m_types(tmp_path: Path) -> None:
 def test_bench_runs_on_a_gguf_file(tmp_path: Path) -> None:
     import json
 
-    from kobold_backend.cli import main
+    from kobold_backend.cli.main import main
 
     path = write_synthetic_gguf(tmp_path / "m.gguf", Shape(256, 512, 2, 4, 2, 300))
     out = tmp_path / "bench.json"
@@ -191,7 +191,7 @@ def test_bench_gguf_flag_errors_are_one_sentence(tmp_path: Path, monkeypatch: py
                                                  caplog: pytest.LogCaptureFixture) -> None:
     import sys
 
-    from kobold_backend.cli import main
+    from kobold_backend.cli.main import main
 
     assert main(["bench", "--format", "gguf", "--preset", "qwen2.5-7b", "--device", "cpu"]) == 1
     assert "--format gguf writes llama-shaped files; preset qwen2.5-7b is qwen2" in caplog.text
