@@ -7,6 +7,7 @@ and stops on EOS, length, a stop string or an abort.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -22,11 +23,14 @@ from kobold_backend.engine.lane import Lane
 from kobold_backend.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from kobold_backend.engine.model import Model
 from kobold_backend.engine.sampling import Sampler, SamplerSettings
+from kobold_backend.engine.speculative import SpeculationConfig, SpeculationStats, new_speculator, start_speculation
 from kobold_backend.engine.tokenizer import Tokenizer, complete_utf8_prefix
 from kobold_backend.errors import OutOfContextError, RequestError
 
 if TYPE_CHECKING:
     from kobold_backend.engine.passthrough.base import ForwardHooks
+
+log = logging.getLogger(__name__)
 
 MAX_BAN_REWINDS = 64
 MAX_BEAMS = 16
@@ -91,6 +95,7 @@ class GenerationStats:
     finish_reason: str = ""
     seed: Optional[int] = None
     total_generations: int = 0
+    speculation: Optional[SpeculationStats] = None  # None when the model was loaded without speculation
 
 
 class _TextTracker:
@@ -169,12 +174,14 @@ class Generator:
     """Runs requests one at a time on a model and its KV cache."""
 
     def __init__(
-        self, model: Model, tokenizer: Tokenizer, cache: Optional[KVCache] = None, use_graphs: Optional[bool] = None
+        self, model: Model, tokenizer: Tokenizer, cache: Optional[KVCache] = None, use_graphs: Optional[bool] = None,
+        speculation: Optional[SpeculationConfig] = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.use_graphs = graphs_supported(model) if use_graphs is None else use_graphs
         self.lane = Lane(model, cache if cache is not None else model.new_cache(), self.use_graphs)
+        self.speculator = new_speculator(speculation, self.lane, model.config.vocab_size, self.use_graphs)
         self.cfg_lane: Optional[Lane] = None
         self.last_beam_search: Optional[BeamSearch] = None
         self.lock = threading.Lock()
@@ -289,6 +296,10 @@ class Generator:
         sampler = Sampler(settings, self.model.config.vocab_size, logits.device, seed=req.seed,
                           token_texts=self.tokenizer.token_strings())
         sampler.begin(prompt)
+        spec, spec_stats = start_speculation(
+            self.speculator, prompt, budget, sampler, self.tokenizer.token_strings(), self.context_shift,
+            passthrough=req.passthrough is not None, negative_prompt=guide is not None, beams=req.num_beams > 1)
+        driver = self.lane if spec is None else spec  # the target's decode steps and rewinds
         beams = None
         if req.num_beams > 1:
             self.last_beam_search = BeamSearch(self.lane, logits, req.num_beams, req.beam_length, banned)
@@ -318,7 +329,7 @@ class Generator:
                     if req.grammar is not None:
                         # -inf where the grammar rejects the token; it takes the position bans too
                         scores = req.grammar.constrain(scores, extra or ())
-                    token = sampler.sample(scores)
+                    token = sampler.sample(scores) if spec is None else spec.pick(sampler, scores)
                     sampler.accept(token)
                     if req.logprobs is not None:
                         logprobs.append(token_logprobs(logits, token, req.logprobs))
@@ -343,7 +354,7 @@ class Generator:
                         tracker.truncate(start)
                         del generated[start:]
                         del logprobs[start:]
-                        logits = self.lane.rewind_to(len(prompt) + start, req.passthrough)
+                        logits = driver.rewind_to(len(prompt) + start, req.passthrough)
                         if guide is not None:
                             guide_logits = guide.rewind_to(len(req.negative_prompt_ids) + start, guide_passthrough)
                         continue
@@ -361,7 +372,7 @@ class Generator:
                     break
                 if beams is not None:
                     continue
-                logits = self.lane.step(token, req.passthrough)
+                logits = driver.step(token, req.passthrough)
                 if guide is not None:
                     guide_logits = guide.step(token, guide_passthrough)
             tail = "" if reason == "stop_string" else tracker.take(len(tracker.buf))
@@ -371,8 +382,10 @@ class Generator:
             self.stats = GenerationStats(
                 prompt_tokens=len(prompt), reused_tokens=reuse, completion_tokens=len(generated),
                 prefill_seconds=t1 - t0, decode_seconds=t2 - t1, finish_reason=reason, seed=sampler.seed,
-                total_generations=self.stats.total_generations + 1,
+                total_generations=self.stats.total_generations + 1, speculation=spec_stats,
             )
+            if spec_stats is not None:
+                log.info("speculation: %s", spec_stats.describe())
 
 
 def _guide_view(passthrough: Optional[ForwardHooks]) -> Optional[ForwardHooks]:
