@@ -12,11 +12,11 @@ import importlib
 import importlib.util
 import logging
 import sys
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from kobold_backend import __version__
 from kobold_backend.cli_split import add_split_arguments, split_from_args
-from kobold_backend.errors import KoboldBackendError
+from kobold_backend.errors import KoboldBackendError, RequestError
 from kobold_backend.flag_types import (
     ArgumentParser,
     HelpFormatter,
@@ -50,6 +50,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compress-pos-emb", type=float_in(0, above=True), default=1.0,
                         help="linear RoPE compression factor")
     parser.add_argument("--embed-on-cpu", action="store_true", help="keep the embedding table in system RAM")
+    parser.add_argument("--speculative", choices=("off", "ngram", "draft"), default=None,
+                        help="speculative decoding: ngram (prompt lookup, no second model) or draft (needs "
+                             "--draft-model, which implies it); default off")
+    parser.add_argument("--draft-model", type=existing_path, default=None, metavar="DIR",
+                        help="a small model with the same tokenizer that drafts tokens for the target to verify")
+    parser.add_argument("--draft-tokens", type=int_at_least(1, 16), default=None, metavar="K",
+                        help="tokens drafted per round (default: 4 with a draft model, 5 with ngram)")
     add_split_arguments(parser)
 
 
@@ -74,7 +81,23 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
         rope_alpha=args.rope_alpha,
         compress_pos_emb=args.compress_pos_emb,
         progress=stderr_progress("loading"),
+        **speculation_kwargs(args),
     )
+
+
+def speculation_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    """load_model's speculative-decoding keywords from the flags (none when the flags are not given)."""
+    kwargs: Dict[str, Any] = {}
+    if args.draft_model is not None and args.speculative not in (None, "draft"):
+        raise RequestError(f"--draft-model goes with --speculative draft, not {args.speculative}", "draft_model")
+    if args.speculative is not None:
+        kwargs["speculative"] = args.speculative
+    if args.draft_model is not None:
+        kwargs["draft_model"] = str(args.draft_model)
+        kwargs.setdefault("speculative", "draft")
+    if args.draft_tokens is not None:
+        kwargs["draft_tokens"] = args.draft_tokens
+    return kwargs
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -82,7 +105,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from kobold_backend.engine.sampling import SamplerSettings
 
     lm = load_from_args(args)
-    generator = Generator(lm.model, lm.tokenizer)
+    generator = Generator(lm.model, lm.tokenizer, speculation=lm.speculation)
     settings = SamplerSettings(
         temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
         rep_pen=args.rep_pen,
@@ -98,6 +121,8 @@ def run_generate(args: argparse.Namespace) -> int:
     rate = s.completion_tokens / s.decode_seconds if s.decode_seconds > 0 else 0.0
     log.info("%d prompt tokens in %.3f s, %d new tokens at %.1f tokens/s (%s)", s.prompt_tokens,
              s.prefill_seconds, s.completion_tokens, rate, s.finish_reason)
+    if s.speculation is not None:
+        log.info("speculation: %s", s.speculation.describe())
     return 0
 
 

@@ -22,6 +22,7 @@ from kobold_backend.engine.drafters import Draft, ModelDrafter, NgramDrafter
 from kobold_backend.engine.lane import Lane
 from kobold_backend.engine.model import Model
 from kobold_backend.engine.sampling import Sampler
+from kobold_backend.errors import RequestError
 
 if TYPE_CHECKING:
     from kobold_backend.engine.passthrough.base import ForwardHooks
@@ -58,6 +59,18 @@ class SpeculationConfig:
             return "off"
         what = f"draft model {self.draft_name}" if self.mode == "draft" else "n-gram prompt lookup"
         return f"{what}, {self.draft_tokens} tokens per round"
+
+
+def check_speculation(mode: str, draft_model: object, draft_tokens: int) -> None:
+    """Raise RequestError naming the option for load options that do not go together (before anything is read);
+    a draft model with a mode other than "draft" is ignored."""
+    if mode not in MODES:
+        raise RequestError(f"speculative must be one of {', '.join(MODES)}, not {mode!r}", "speculative")
+    if mode == "draft" and not draft_model:
+        raise RequestError("speculative mode 'draft' needs a draft model folder", "draft_model")
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
+        raise RequestError(f"draft_tokens must be a whole number in [1, {MAX_DRAFT_TOKENS}] (0: the mode's default)",
+                           "draft_tokens")
 
 
 def new_speculator(config: Optional[SpeculationConfig], lane: Lane, vocab_size: int,

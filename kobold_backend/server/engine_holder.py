@@ -90,7 +90,7 @@ class EngineHolder:
         log.info("loading %s (%s)", path, ", ".join(f"{k}={v}" for k, v in shown))
         lm = loader(path, **kwargs)
         try:
-            generator = Generator(lm.model, lm.tokenizer)
+            generator = Generator(lm.model, lm.tokenizer, speculation=getattr(lm, "speculation", None))
         except BaseException:
             lm.unload()
             raise
