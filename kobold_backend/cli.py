@@ -105,7 +105,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from kobold_backend.engine.sampling import SamplerSettings
 
     lm = load_from_args(args)
-    generator = Generator(lm.model, lm.tokenizer, speculation=lm.speculation)
+    generator = Generator(lm.model, lm.tokenizer)
+    generator.use_speculation(lm.speculation)
     settings = SamplerSettings(
         temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
         rep_pen=args.rep_pen,

@@ -44,14 +44,20 @@ def near_lm(checkpoints: Any) -> Any:
     return near
 
 
+def _speculating(lm: Any, config: SpeculationConfig) -> Generator:
+    gen = Generator(lm.model, lm.tokenizer)
+    gen.use_speculation(config)
+    return gen
+
+
 @pytest.fixture(scope="module")
 def generators(lm: Any, draft_lm: Any, near_lm: Any) -> Dict[str, Generator]:
     return {
         "plain": Generator(lm.model, lm.tokenizer),
-        "ngram": Generator(lm.model, lm.tokenizer, speculation=SpeculationConfig("ngram", 4)),
-        "self": Generator(lm.model, lm.tokenizer, speculation=SpeculationConfig("draft", 4, lm.model, "self")),
-        "other": Generator(lm.model, lm.tokenizer, speculation=SpeculationConfig("draft", 3, draft_lm.model)),
-        "near": Generator(lm.model, lm.tokenizer, speculation=SpeculationConfig("draft", 3, near_lm.model)),
+        "ngram": _speculating(lm, SpeculationConfig("ngram", 4)),
+        "self": _speculating(lm, SpeculationConfig("draft", 4, lm.model, "self")),
+        "other": _speculating(lm, SpeculationConfig("draft", 3, draft_lm.model)),
+        "near": _speculating(lm, SpeculationConfig("draft", 3, near_lm.model)),
     }
 
 

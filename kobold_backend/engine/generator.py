@@ -23,7 +23,13 @@ from kobold_backend.engine.lane import Lane
 from kobold_backend.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from kobold_backend.engine.model import Model
 from kobold_backend.engine.sampling import Sampler, SamplerSettings
-from kobold_backend.engine.speculative import SpeculationConfig, SpeculationStats, new_speculator, start_speculation
+from kobold_backend.engine.speculative import (
+    SpeculationConfig,
+    SpeculationStats,
+    Speculator,
+    new_speculator,
+    start_speculation,
+)
 from kobold_backend.engine.tokenizer import Tokenizer, complete_utf8_prefix
 from kobold_backend.errors import OutOfContextError, RequestError
 
@@ -174,20 +180,23 @@ class Generator:
     """Runs requests one at a time on a model and its KV cache."""
 
     def __init__(
-        self, model: Model, tokenizer: Tokenizer, cache: Optional[KVCache] = None, use_graphs: Optional[bool] = None,
-        speculation: Optional[SpeculationConfig] = None,
+        self, model: Model, tokenizer: Tokenizer, cache: Optional[KVCache] = None, use_graphs: Optional[bool] = None
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.use_graphs = graphs_supported(model) if use_graphs is None else use_graphs
         self.lane = Lane(model, cache if cache is not None else model.new_cache(), self.use_graphs)
-        self.speculator = new_speculator(speculation, self.lane, model.config.vocab_size, self.use_graphs)
+        self.speculator: Optional[Speculator] = None
         self.cfg_lane: Optional[Lane] = None
         self.last_beam_search: Optional[BeamSearch] = None
         self.lock = threading.Lock()
         self.stats = GenerationStats()
         self.context_shift = True
         self._char_bans: Dict[str, Tuple[int, ...]] = {}
+
+    def use_speculation(self, config: Optional[SpeculationConfig]) -> None:
+        """Decode speculatively as `config` says from the next request on (None: plainly)."""
+        self.speculator = new_speculator(config, self.lane, self.model.config.vocab_size, self.use_graphs)
 
     @property
     def cache(self) -> KVCache:

@@ -303,7 +303,7 @@ class LoadOptions:
             "compress_pos_emb": self.compress_pos_emb,
             "dtype": self.dtype,
             "embed_on_cpu": self.embed_on_cpu,
-            **(self.speculation or {}),
+            **(self.speculation or {}),  # only when speculation is on: the server's own flags stay otherwise
         }
 
 
@@ -348,6 +348,7 @@ def load_options(
         raise RequestError(f"cache_dtype must be one of {', '.join(dict(CACHE_DTYPES))}", "cache_dtype")
     embed_on_cpu = _as_bool(values.get("embed_on_cpu", False))
     speculation = _speculation_values(values)
+    spec_kwargs = speculation if speculation["speculative"] != "off" else None
     saved = dict(split, max_ctx=max_ctx, compress_emb=compress, ntk_alpha=alpha, cache_dtype=dtype,
                  embed_on_cpu=embed_on_cpu, speculative=speculation["speculative"],
                  draft_model=speculation.get("draft_model") or "", draft_tokens=speculation["draft_tokens"])
@@ -361,7 +362,7 @@ def load_options(
         dtype=None if dtype == "auto" else dtype,
         embed_on_cpu=embed_on_cpu,
         values=saved,
-        speculation=speculation,
+        speculation=spec_kwargs,
         layer_counts={("cpu" if key == CPU_LAYERS else f"cuda:{key[: -len('_Layers')]}"): count
                       for key, count in split.items()},
     )

@@ -90,7 +90,9 @@ class EngineHolder:
         log.info("loading %s (%s)", path, ", ".join(f"{k}={v}" for k, v in shown))
         lm = loader(path, **kwargs)
         try:
-            generator = Generator(lm.model, lm.tokenizer, speculation=getattr(lm, "speculation", None))
+            generator = Generator(lm.model, lm.tokenizer)
+            if getattr(lm, "speculation", None) is not None:
+                generator.use_speculation(lm.speculation)
         except BaseException:
             lm.unload()
             raise
