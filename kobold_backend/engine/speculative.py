@@ -155,18 +155,18 @@ def choose(sampler: Sampler, scores: torch.Tensor, proposal: Optional[Tuple[int,
         return sampler.sample(scores)
     token, q = proposal
     p = torch.softmax(sampler.warp(scores), dim=-1)
-    p_token = float(p[token].item())
-    q_token = 1.0 if q is None else float(q[token].item())
-    u = float(torch.rand((), generator=sampler.generator, device=p.device).item())
-    if u * q_token < p_token:
+    if q is not None:
+        q = q.to(p.device)
+    u = torch.rand((), generator=sampler.generator, device=p.device)
+    # u < p/q written without the division; one host read decides
+    if bool((u * (1.0 if q is None else q[token]) < p[token]).item()):
         return token
     if q is None:
         residual = p.clone()
         residual[token] = 0.0
     else:
-        residual = (p - q.to(p.device)).clamp_min(0.0)
-    if float(residual.sum().item()) <= 0.0:  # p == q up to rounding: the rejection had probability ~0
-        residual = p
+        residual = (p - q).clamp_min(0.0)
+    residual = torch.where(residual.sum() > 0.0, residual, p)  # p == q up to rounding: rejection had probability ~0
     return int(torch.multinomial(residual, 1, generator=sampler.generator).item())
 
 
