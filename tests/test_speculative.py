@@ -361,3 +361,57 @@ def test_perf_reports_speculation(lm: Any, generators: Dict[str, Generator]) -> 
     assert spec["tokens_per_target_forward"] > 1.5
     perf.record(generators["plain"].stats)
     assert perf.snapshot(0, True)["speculative"] is None
+
+
+def test_web_page_loads_a_draft_from_the_models_folder_only(checkpoints: Any, tmp_path: Any) -> None:
+    import shutil
+
+    from kobold_backend.server import ServerConfig, create_app
+    from tests.server_helpers import make_holder
+
+    target = checkpoints.get("dense_fp32").path
+    models = tmp_path / "models"
+    shutil.copytree(target, models / "tiny")
+    shutil.copytree(checkpoints.get("dense_fp16").path, models / "small")
+    (tmp_path / "outside").mkdir()
+    shutil.copy(target / "config.json", tmp_path / "outside" / "config.json")
+    app = create_app(ServerConfig(models_dir=models), make_holder(target))
+    try:
+        c = app.test_client()
+        for name, status in (("../outside", 403), (str(tmp_path / "outside"), 403), ("absent", 404)):
+            resp = c.post("/ui/load", json={"model": "tiny", "parameters": {"speculative": "draft",
+                                                                             "draft_model": name}})
+            assert resp.status_code == status, name
+        missing = c.post("/ui/load", json={"model": "tiny", "parameters": {"speculative": "draft"}})
+        assert missing.status_code == 422 and "draft_model" in missing.get_data(as_text=True)
+        ok = c.post("/ui/load", json={"model": "tiny", "parameters": {"speculative": "draft", "draft_model": "small",
+                                                                       "draft_tokens": 3}})
+        assert ok.status_code == 200
+        lm = app.extensions["kobold_backend"].holder.active.lm
+        assert lm.draft is not None and lm.draft.path == (models / "small").resolve()
+        out = c.post("/api/v1/generate", json={"prompt": "The old lighthouse", "max_length": 12,
+                                                "temperature": 0.01, "use_default_badwordsids": True})
+        assert out.status_code == 200
+        spec = c.get("/api/extra/perf").get_json()["speculative"]
+        assert spec["mode"] == "draft" and spec["drafted_tokens"] > 0 and spec["target_forwards"] > 0
+    finally:
+        app.extensions["kobold_backend"].close()
+
+
+def test_generate_command_speculates_and_refuses_a_foreign_draft(checkpoints: Any, capsys: Any,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from kobold_backend import cli
+
+    target = str(checkpoints.get("dense_fp32").path)
+    base = ["generate", "--model", target, "--device", "cpu", "--greedy", "--prompt", "a b a b a b",
+            "--max-new-tokens", "6", "--max-context", "64"]
+    with caplog.at_level(logging.INFO, logger="kobold_backend"):
+        assert cli.main(base + ["--speculative", "ngram", "--draft-tokens", "3"]) == 0
+    assert any(r.getMessage().startswith("speculation: ngram") for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="kobold_backend"):
+        assert cli.main(base + ["--draft-model", str(checkpoints.get("llama3_rope").path)]) == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors and "must use the same tokenizer" in errors[-1] and "\n" not in errors[-1]
