@@ -113,19 +113,24 @@ def test_greedy_with_stops_bans_and_logprobs(lm: Any, generators: Dict[str, Gene
         assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
 
 
-@pytest.mark.parametrize("mode", ("ngram", "other"))
+@pytest.mark.parametrize("mode", ("ngram", "self", "other"))
 def test_greedy_with_a_grammar(lm: Any, generators: Dict[str, Generator], mode: str) -> None:
     pytest.importorskip("llguidance")
     from kobold_backend.engine.grammar import GrammarConstraint
 
-    gbnf = 'root ::= "[" item ("," " "? item){0,5} "]"\nitem ::= [a-c] | "x" [0-9]'
-    for seed in range(3):
+    grammars = ('root ::= "[" item ("," " "? item){0,5} "]"\nitem ::= [a-c] | "x" [0-9]',
+                'root ::= [^.]{1,40} "."')  # a strict one and one that most drafts satisfy
+    accepted = drafted = 0
+    for gbnf, seed in product(grammars, range(3)):
         outs = []
         for name in ("plain", mode):
             grammar = GrammarConstraint.build(lm.tokenizer, gbnf=gbnf)
             outs.append(generators[name].generate(GenerationRequest(_prompt(lm, seed), 40, GREEDY, grammar=grammar)))
-        assert outs[1].text == outs[0].text and outs[1].token_ids == outs[0].token_ids
-        assert outs[0].text.startswith("[")
+        assert outs[1].text == outs[0].text and outs[1].token_ids == outs[0].token_ids, (gbnf, seed)
+        accepted += generators[mode].stats.speculation.accepted
+        drafted += generators[mode].stats.speculation.drafted
+    if mode == "self":  # the unconstrained draft is sometimes grammatical and sometimes not
+        assert 0 < accepted < drafted
 
 
 def test_unspeculable_features_fall_back_and_say_so(lm: Any, generators: Dict[str, Generator]) -> None:
