@@ -304,6 +304,9 @@ def test_draft_tokenizer_mismatches_are_refused_in_one_sentence(lm: Any, checkpo
     with pytest.raises(ModelFormatError, match="must use the same tokenizer"):
         load_model(checkpoints.get("dense_fp32").path, device="cpu", max_seq_len=64, speculative="draft",
                    draft_model=other)
+    with pytest.raises(ModelFormatError, match="The draft model nowhere could not be loaded"):
+        load_model(checkpoints.get("dense_fp32").path, device="cpu", max_seq_len=64, speculative="draft",
+                   draft_model=checkpoints.get("dense_fp32").path.parent / "nowhere")
     with pytest.raises(RequestError, match="needs a draft model"):
         load_model(checkpoints.get("dense_fp32").path, device="cpu", speculative="draft")
     with pytest.raises(RequestError, match="speculative must be one of"):

@@ -157,8 +157,11 @@ def _attach_speculation(lm: LoadedModel, mode: str, draft_model: Optional[Union[
     draft_lm = None
     if mode == "draft" and draft_model is not None:
         name = str(dtype).replace("torch.", "")
-        draft_lm = load_model(draft_model, device=str(lm.model.device), dtype=name,
-                              max_seq_len=seq_len, progress=progress)
+        try:
+            draft_lm = load_model(draft_model, device=str(lm.model.device), dtype=name,
+                                  max_seq_len=seq_len, progress=progress)
+        except (ModelFormatError, OSError) as exc:
+            raise ModelFormatError(f"The draft model {Path(draft_model).name} could not be loaded: {exc}") from exc
         lm.draft = draft_lm
         if lm.tokenizer is not None:
             check_draft_tokenizer(lm.tokenizer, draft_lm.tokenizer, f"The draft model {draft_lm.name}")
