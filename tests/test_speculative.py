@@ -423,3 +423,19 @@ def test_generate_command_speculates_and_refuses_a_foreign_draft(checkpoints: An
         assert cli.main(base + ["--draft-model", str(checkpoints.get("llama3_rope").path)]) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors and "must use the same tokenizer" in errors[-1] and "\n" not in errors[-1]
+
+
+def test_united_loads_with_a_draft_model(united: Any, checkpoints: Any) -> None:
+    """United's command-line load (--model_parameters) with the speculative fields; the generator speculates."""
+    target = checkpoints.get("dense_fp32").path
+    params = {"max_ctx": 256, "0_Layers": 0, "CPU_Layers": 2, "speculative": "draft",
+              "draft_model": str(checkpoints.get("dense_fp16").path), "draft_tokens": 2}
+    backend = united.cli_load(str(target), "kobold_backend", str(target), params)
+    spec = backend.generator.speculator
+    assert spec is not None and spec.mode == "draft" and spec.k == 2
+    assert len(backend.raw_generate("Hello", max_new=5).encoded[0]) == 5
+    assert backend.generator.stats.speculation.target_forwards > 0
+    backend.unload()
+    plain = united.cli_load(str(target), "kobold_backend", str(target), {"max_ctx": 256, "0_Layers": 0,
+                                                                          "CPU_Layers": 2, "speculative": "off"})
+    assert plain.generator.speculator is None and plain.loaded.draft is None

@@ -32,6 +32,7 @@ SPECULATIVE_MODES = (
     ("ngram", "Prompt lookup (n-gram drafts, no second model)"),
     ("draft", "Draft model (the folder below; same tokenizer)"),
 )
+NO_DRAFT = "none"  # the draft-folder field's empty value (United refuses a parameter whose default is "")
 CTX_STEP = 256
 DEFAULT_CTX_CAP = 8192
 
@@ -244,9 +245,9 @@ def _speculation_parameters(saved: Dict[str, Any]) -> List[Dict[str, Any]]:
                      "distribution, faster when the drafts are often right (repetitive text, a good draft model).",
              children=[{"text": text, "value": value} for value, text in SPECULATIVE_MODES]),
         dict(common, uitype="text", unit="text", label="Draft model folder", id="draft_model",
-             default=str(saved.get("draft_model", "") or ""),
+             default=str(saved.get("draft_model", "") or NO_DRAFT),
              tooltip="For 'Draft model': a small model with the same tokenizer (e.g. a 0.5B of the same family); "
-                     "on the server's web page, a model name from its models folder."),
+                     f"on the server's web page, a model name from its models folder. '{NO_DRAFT}': no draft."),
         dict(common, uitype="slider", unit="int", label="Draft tokens per round (0 = default)", id="draft_tokens",
              min=0, max=MAX_DRAFT_TOKENS, step=1, default=tokens,
              tooltip="How many tokens are drafted before the model checks them (default 4 with a draft model, "
@@ -351,7 +352,7 @@ def load_options(
     spec_kwargs = speculation if speculation["speculative"] != "off" else None
     saved = dict(split, max_ctx=max_ctx, compress_emb=compress, ntk_alpha=alpha, cache_dtype=dtype,
                  embed_on_cpu=embed_on_cpu, speculative=speculation["speculative"],
-                 draft_model=speculation.get("draft_model") or "", draft_tokens=speculation["draft_tokens"])
+                 draft_model=speculation.get("draft_model", NO_DRAFT), draft_tokens=speculation["draft_tokens"])
     uniform = len(set(layer_devices)) <= 1
     return LoadOptions(
         device=main,
@@ -379,7 +380,7 @@ def _speculation_values(values: Dict[str, Any]) -> Dict[str, Any]:
     out: Dict[str, Any] = {"speculative": mode, "draft_tokens": tokens}
     if mode == "draft":
         folder = str(values.get("draft_model", "") or "").strip()
-        if not folder:
+        if folder in ("", NO_DRAFT):
             raise RequestError("speculative decoding with a draft model needs the draft model folder", "draft_model")
         out["draft_model"] = folder
     return out

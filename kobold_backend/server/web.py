@@ -81,9 +81,7 @@ def load() -> Any:
     params = body.get("parameters") or {}
     if not isinstance(params, dict):
         raise ApiError("parameters must be an object.", 422, "bad_input")
-    if params.get("speculative") == "draft" and params.get("draft_model"):  # confined like the model itself
-        draft = model_files.resolve_model(model_files.require_models_dir(state.config), params["draft_model"])
-        params = dict(params, draft_model=str(draft))
+    params = model_files.confined_draft(state.config, params)
     job = Job(model_files.load_job(state.holder, path, params))
     state.queue.submit(job)
     job.wait(lambda: False)
