@@ -439,3 +439,15 @@ def test_united_loads_with_a_draft_model(united: Any, checkpoints: Any) -> None:
     plain = united.cli_load(str(target), "kobold_backend", str(target), {"max_ctx": 256, "0_Layers": 0,
                                                                           "CPU_Layers": 2, "speculative": "off"})
     assert plain.generator.speculator is None and plain.loaded.draft is None
+
+
+def test_draft_logits_are_fitted_to_the_target_vocabulary(lm: Any) -> None:
+    """Same tokenizer, other padding (Qwen2.5-0.5B has 151936 rows, its 7B 152064): padding ids are never drafted."""
+    from kobold_backend.engine.drafters import ModelDrafter
+
+    v = lm.config.vocab_size
+    row = torch.randn(v)
+    wider = ModelDrafter(lm.model, v + 5, 64, use_graphs=False)._logits(row)
+    assert wider.shape == (v + 5,) and torch.equal(wider[:v], row) and torch.isinf(wider[v:]).all()
+    narrower = ModelDrafter(lm.model, v - 3, 64, use_graphs=False)._logits(row)
+    assert torch.equal(narrower, row[: v - 3])
