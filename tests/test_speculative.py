@@ -451,3 +451,18 @@ def test_draft_logits_are_fitted_to_the_target_vocabulary(lm: Any) -> None:
     assert wider.shape == (v + 5,) and torch.equal(wider[:v], row) and torch.isinf(wider[v:]).all()
     narrower = ModelDrafter(lm.model, v - 3, 64, use_graphs=False)._logits(row)
     assert torch.equal(narrower, row[: v - 3])
+
+
+def test_context_shift_keeps_greedy_identical(lm: Any, generators: Dict[str, Generator]) -> None:
+    """A conversation trimmed in the middle: target and draft caches both shift instead of re-prefilling."""
+    first = _prompt(lm, 31, 60) + _prompt(lm, 32, 40)
+    outs = {}
+    for name in ("plain", "near"):
+        gen = generators[name]
+        out = gen.generate(GenerationRequest(first, 8, GREEDY, ban_eos=True))
+        trimmed = first[:10] + first[50:] + out.token_ids + _prompt(lm, 33, 4)
+        outs[name] = gen.generate(GenerationRequest(trimmed, 12, GREEDY, ban_eos=True)).token_ids
+        assert gen.stats.reused_tokens > 60, name  # the shift kept the cache after the cut
+    assert outs["near"] == outs["plain"]
+    draft_cache = generators["near"].speculator.drafter.lane.cache  # type: ignore[union-attr]
+    assert draft_cache.tokens[: len(trimmed)] == trimmed
