@@ -301,7 +301,13 @@ def test_draft_tokenizer_mismatches_are_refused_in_one_sentence(lm: Any, checkpo
     with pytest.raises(ModelFormatError, match="EOS"):
         check_draft_tokenizer(_Tok(words), _Tok(words, eos=(3,)))
     other = checkpoints.get("llama3_rope").path  # a byte-level BPE tokenizer, the target has SentencePiece
-    with pytest.raises(ModelFormatError, match="must use the same tokenizer"):
+    from kobold_backend.engine import loader
+
+    def no_weights(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("weights were read before the tokenizers were compared")
+
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(ModelFormatError, match="must use the same tokenizer"):
+        mp.setattr(loader, "_build", no_weights)
         load_model(checkpoints.get("dense_fp32").path, device="cpu", max_seq_len=64, speculative="draft",
                    draft_model=other)
     with pytest.raises(ModelFormatError, match="The draft model nowhere could not be loaded"):

@@ -13,6 +13,7 @@ import torch
 from kobold_backend.engine.architectures import RopeSpec
 from kobold_backend.engine.awq import load_awq_linear
 from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.drafters import check_draft_tokenizer
 from kobold_backend.engine.gguf.checkpoint import open_gguf
 from kobold_backend.engine.gguf.weights import GGUFWeights
 from kobold_backend.engine.gptq import load_gptq_linear
@@ -122,6 +123,9 @@ def load_model(
         tokenizer = load_tokenizer(folder, config.bos_token_id, config.eos_token_ids) if with_tokenizer else None
         reader = WeightReader(folder)
     with reader:
+        if speculative == "draft" and draft_model is not None and tokenizer is not None:
+            draft = Path(draft_model)
+            check_draft_tokenizer(tokenizer, _draft_tokenizer(draft), f"The draft model {draft.name}")
         main = resolve_device(device)
         compute_dtype = resolve_dtype(dtype, main, config)
         if layer_devices is not None and len(layer_devices) != config.num_layers:
@@ -151,7 +155,6 @@ def load_model(
 def _attach_speculation(lm: LoadedModel, mode: str, draft_model: Optional[Union[str, Path]], draft_tokens: int,
                         dtype: torch.dtype, seq_len: int, progress: Optional[Progress]) -> None:
     """Load the draft model (if any) next to the target's head and set lm.speculation."""
-    from kobold_backend.engine.drafters import check_draft_tokenizer
     from kobold_backend.engine.speculative import SpeculationConfig
 
     draft_lm = None
@@ -163,12 +166,24 @@ def _attach_speculation(lm: LoadedModel, mode: str, draft_model: Optional[Union[
         except (ModelFormatError, OSError) as exc:
             raise ModelFormatError(f"The draft model {Path(draft_model).name} could not be loaded: {exc}") from exc
         lm.draft = draft_lm
-        if lm.tokenizer is not None:
-            check_draft_tokenizer(lm.tokenizer, draft_lm.tokenizer, f"The draft model {draft_lm.name}")
     lm.speculation = SpeculationConfig(mode, draft_tokens,
                                        None if draft_lm is None else draft_lm.model,
                                        "" if draft_lm is None else draft_lm.name)
     log.info("speculative decoding: %s", lm.speculation.describe())
+
+
+def _draft_tokenizer(folder: Path) -> Tokenizer:
+    """The draft model's tokenizer alone (no weights read), for the check before anything is loaded."""
+    try:
+        if folder.suffix == ".gguf" and folder.is_file():
+            tokenizer = open_gguf(folder, True)[1]
+        else:
+            config = ModelConfig.from_dir(folder)
+            tokenizer = load_tokenizer(folder, config.bos_token_id, config.eos_token_ids)
+    except (ModelFormatError, OSError) as exc:
+        raise ModelFormatError(f"The draft model {folder.name} could not be loaded: {exc}") from exc
+    assert tokenizer is not None
+    return tokenizer
 
 
 def context_limit(config: ModelConfig, rope_alpha: float = 1.0, compress_pos_emb: float = 1.0) -> int:
