@@ -44,9 +44,20 @@ def _check_identical(lm: Any, prompts: List[List[int]]) -> None:
             req = dict(prompt_ids=prompt, max_new_tokens=length, settings=GREEDY, ban_eos=True)
             want = plain.generate(GenerationRequest(**req)).token_ids
             for gen in (ngram, self_draft):
-                assert gen.generate(GenerationRequest(**req)).token_ids == want, (prompt[:8], length)
+                got = gen.generate(GenerationRequest(**req)).token_ids
+                assert got == want, _divergence(lm, prompt, want, got)
                 accepted += gen.stats.speculation.accepted
     assert accepted > 0
+
+
+def _divergence(lm: Any, prompt: List[int], want: List[int], got: List[int]) -> str:
+    """Where two greedy runs part, and the gap between the two best logits there (a near-tie shows as ~1e-3)."""
+    at = next(i for i, (a, b) in enumerate(zip(want + [-1], got + [-2])) if a != b)
+    ids = torch.tensor([prompt + want[:at]], device=lm.model.device)
+    logits = lm.model.forward(ids, lm.model.new_cache())[0, -1]
+    top = torch.topk(logits, 2).values
+    gap = float(top[0] - top[1])
+    return f"token {at} differs ({want[at:at + 1]} vs {got[at:at + 1]}); top-2 logit gap there {gap:.4g}"
 
 
 def test_greedy_identical_on_the_demo_model_with_graphs() -> None:
