@@ -342,6 +342,9 @@ def test_load_options_carry_speculation(checkpoints: Any) -> None:
     assert opts.load_kwargs()["draft_model"] == "/m/small" and opts.load_kwargs()["draft_tokens"] == 6
     assert opts.values["speculative"] == "draft"
     assert "draft_model" not in load_options({"draft_model": "/m/small"}, config, gpus=[]).load_kwargs()
+    assert "speculative" not in load_options({}, config, gpus=[]).load_kwargs()  # the server's flags apply
+    off = load_options({"speculative": "off", "draft_model": "/m/small"}, config, gpus=[]).load_kwargs()
+    assert off["speculative"] == "off" and "draft_model" not in off
     with pytest.raises(RequestError) as err:
         load_options({"speculative": "draft"}, config, gpus=[])
     assert err.value.field == "draft_model"
@@ -408,6 +411,10 @@ def test_web_page_loads_a_draft_from_the_models_folder_only(checkpoints: Any, tm
         assert out.status_code == 200
         spec = c.get("/api/extra/perf").get_json()["speculative"]
         assert spec["mode"] == "draft" and spec["drafted_tokens"] > 0 and spec["target_forwards"] > 0
+        holder = app.extensions["kobold_backend"].holder
+        holder.load_kwargs.update(speculative="draft", draft_model=str(models / "small"))  # as `serve --draft-model`
+        off = c.post("/ui/load", json={"model": "tiny", "parameters": {"speculative": "off", "draft_model": "small"}})
+        assert off.status_code == 200 and holder.active.lm.draft is None and holder.active.generator.speculator is None
     finally:
         app.extensions["kobold_backend"].close()
 

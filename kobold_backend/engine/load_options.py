@@ -304,7 +304,7 @@ class LoadOptions:
             "compress_pos_emb": self.compress_pos_emb,
             "dtype": self.dtype,
             "embed_on_cpu": self.embed_on_cpu,
-            **(self.speculation or {}),  # only when speculation is on: the server's own flags stay otherwise
+            **(self.speculation or {}),  # only when submitted: else the server's own flags stay
         }
 
 
@@ -349,7 +349,11 @@ def load_options(
         raise RequestError(f"cache_dtype must be one of {', '.join(dict(CACHE_DTYPES))}", "cache_dtype")
     embed_on_cpu = _as_bool(values.get("embed_on_cpu", False))
     speculation = _speculation_values(values)
-    spec_kwargs = speculation if speculation["speculative"] != "off" else None
+    spec_kwargs: Optional[Dict[str, Any]] = None
+    if speculation["speculative"] != "off":
+        spec_kwargs = speculation
+    elif "speculative" in values:  # an explicit "off" also switches off what the server was started with
+        spec_kwargs = {"speculative": "off"}
     saved = dict(split, max_ctx=max_ctx, compress_emb=compress, ntk_alpha=alpha, cache_dtype=dtype,
                  embed_on_cpu=embed_on_cpu, speculative=speculation["speculative"],
                  draft_model=speculation.get("draft_model", NO_DRAFT), draft_tokens=speculation["draft_tokens"])
