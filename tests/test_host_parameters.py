@@ -47,7 +47,8 @@ def test_keys_and_layer_check(model: Path, gpus: List[str]) -> None:
     n = ModelConfig.from_dir(model).num_layers
     ids = [p["id"] for p in params]
     layer_ids = [f"{i}_Layers" for i in range(len(gpus))] + ["CPU_Layers"]
-    assert ids == ["valid_layers", *layer_ids, "max_ctx", "compress_emb", "ntk_alpha", "cache_dtype", "embed_on_cpu"]
+    assert ids == ["valid_layers", *layer_ids, "max_ctx", "compress_emb", "ntk_alpha", "cache_dtype", "embed_on_cpu",
+                   "speculative", "draft_model", "draft_tokens"]
     for p in params:
         assert COMMON_KEYS <= set(p), p["id"]
         assert p["uitype"] in UITYPES and p["unit"] in UNITS

@@ -46,6 +46,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--no-graphs", action="store_true", help="eager decode (debugging)")
     p.add_argument("--compare", action="store_true", help="also measure exllamav2 and transformers fp16")
     p.add_argument("--samplers", action="store_true", help="also time the samplers per token (CPU)")
+    p.add_argument("--speculative", action="store_true",
+                   help="also time speculative decoding: n-gram drafts, the target drafting for itself and, with "
+                        "--draft-preset or --draft-model, a draft model, on repetitive and random text")
+    p.add_argument("--draft-preset", default=None, choices=sorted(PRESETS),
+                   help="shape of a synthetic draft checkpoint for --speculative (e.g. qwen2.5-0.5b for qwen2.5-7b)")
+    p.add_argument("--draft-model", type=existing_path, default=None, metavar="DIR",
+                   help="a real draft checkpoint for --speculative (instead of --draft-preset)")
+    p.add_argument("--draft-tokens", type=int_at_least(1, 16), default=4, metavar="K",
+                   help="tokens drafted per round for --speculative (default 4)")
     p.add_argument("--quick", action="store_true", help="short runs (for tests and tiny models)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE ('-' for stdout)")
     return p
@@ -88,6 +97,20 @@ def _compared(bench: Any, path: str) -> Dict[str, Any]:
         return {"skipped": f"failed on this checkpoint ({type(exc).__name__}: {exc})"}
 
 
+def _speculation(args: argparse.Namespace, path: str, tmp: Path, quick: bool) -> Dict[str, Any]:
+    from kobold_backend.bench.speculative_bench import bench_speculation
+
+    draft = args.draft_model
+    if draft is None and args.draft_preset is not None:
+        log.info("writing a synthetic %s GPTQ draft checkpoint", args.draft_preset)
+        draft = str(write_synthetic_gptq(tmp / f"draft-{args.draft_preset}", PRESETS[args.draft_preset],
+                                         args.group_size, seed=1, device="cpu" if args.device == "cpu" else None))
+    log.info("measuring speculative decoding")
+    shape = dict(prompt_length=96, steps=24, max_seq_len=256) if quick else {}
+    return bench_speculation(path, None if draft is None else str(draft), args.device, args.draft_tokens,
+                             use_graphs=not args.no_graphs, **shape)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from kobold_backend.bench.engine_bench import bench_engine
 
@@ -128,6 +151,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 result["exllamav2"] = result["transformers"] = {"skipped": "no CUDA GPU"}
             result["ratios"] = {name: _ratios(result["kobold_backend"], result[name])
                                 for name in ("exllamav2", "transformers") if "skipped" not in result[name]}
+        if args.speculative:
+            result["speculation"] = _speculation(args, path, Path(tmp), quick)
         if args.samplers:
             from kobold_backend.engine.sampling import benchmark_samplers
 
@@ -184,4 +209,8 @@ def format_table(result: Dict[str, Any]) -> str:
     lines.append(f"roofline {kb['roofline_tokens_per_s']:,.0f} tok/s at {bandwidth:.2f} TB/s copy bandwidth")
     for other, ratios in result.get("ratios", {}).items():
         lines.append(f"vs {other}: " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))
+    if "speculation" in result:
+        from kobold_backend.bench.speculative_bench import format_speculation
+
+        lines.extend(format_speculation(result["speculation"]))
     return "\n".join(lines)
