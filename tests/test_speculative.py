@@ -353,7 +353,7 @@ def test_load_options_carry_speculation(checkpoints: Any) -> None:
 
 
 def test_cli_flags_make_load_keywords() -> None:
-    from kobold_backend.cli import speculation_kwargs
+    from kobold_backend.cli.model_args import speculation_kwargs
 
     def ns(**kw: Any) -> argparse.Namespace:
         return argparse.Namespace(**dict(dict(speculative=None, draft_model=None, draft_tokens=None), **kw))
@@ -423,7 +423,7 @@ def test_generate_command_speculates_and_refuses_a_foreign_draft(checkpoints: An
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from kobold_backend import cli
+    from kobold_backend.cli import main as cli
 
     target = str(checkpoints.get("dense_fp32").path)
     base = ["generate", "--model", target, "--device", "cpu", "--greedy", "--prompt", "a b a b a b",

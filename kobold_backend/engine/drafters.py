@@ -97,7 +97,7 @@ class ModelDrafter:
         """Start a request: a twin of its sampler with its own random stream, and a cache to resynchronise."""
         s = sampler
         self.sampler = Sampler(s.settings, self.vocab_size, self.model.device, seed=(s.seed + 1) % 2**64,
-                               token_texts=token_texts)
+                               token_texts=token_texts, banned=s.banned)
         self.sampler.begin(list(s.context))
         self.context_shift = context_shift
         self._fresh = True
