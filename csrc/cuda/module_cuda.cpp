@@ -112,6 +112,20 @@ PYBIND11_MODULE(_ext_cuda, m) {
         kc::decode_attention(a);
     });
 
+    m.def("kvq_decode_attention", [](std::uintptr_t q, int64_t q_sb, int64_t q_sh, int64_t b, int64_t hq,
+                                     int64_t hkv, int64_t d, std::uintptr_t kd, std::uintptr_t ks, std::uintptr_t vd,
+                                     std::uintptr_t vs, py::tuple kds, py::tuple kss, py::tuple vds, py::tuple vss,
+                                     int k_bits, int v_bits, int64_t seq_len, std::uintptr_t pos_dev, float scale,
+                                     std::uintptr_t out, py::tuple ws, int device, std::uintptr_t stream) {
+        kc::KvqAttnArgs a{ptr<const void>(q), q_sb, q_sh, b, hq, hkv, d, ptr<const void>(kd), ptr<const void>(ks),
+                          ptr<const void>(vd), ptr<const void>(vs), at(kds, 0), at(kds, 1), at(kds, 2), at(kss, 0),
+                          at(kss, 1), at(kss, 2), at(vds, 0), at(vds, 1), at(vds, 2), at(vss, 0), at(vss, 1),
+                          at(vss, 2), k_bits, v_bits, seq_len, ptr<const int64_t>(pos_dev), scale, ptr<void>(out),
+                          workspace(ws), device, stream};
+        py::gil_scoped_release release;
+        kc::kvq_decode_attention(a);
+    });
+
     m.def(
         "silu_mul",
         [](std::uintptr_t gate, std::uintptr_t up, int64_t n, std::uintptr_t out, int device, std::uintptr_t stream) {

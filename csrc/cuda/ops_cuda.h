@@ -90,6 +90,25 @@ struct AttnArgs {
 
 void decode_attention(const AttnArgs& a);  // D even, D % 8 == 0, D <= 256
 
+// Decode attention over the 8/4-bit KV cache of kobold_backend/ops/kv_quant.py (kv_quant.cu).
+struct KvqAttnArgs {
+    const void* q;  // fp32 [B, Hq, D], rotated by the group Hadamard matrix
+    int64_t q_sb, q_sh, b, hq, hkv, d;
+    const void* kd; const void* ks;  // K: int8 [B, Hkv, S, D] or nibbles uint8 [B, Hkv, S, D/2]; fp16 scales [.., D/32]
+    const void* vd; const void* vs;  // V: the same
+    int64_t kd_sb, kd_sh, kd_ss, ks_sb, ks_sh, ks_ss, vd_sb, vd_sh, vd_ss, vs_sb, vs_sh, vs_ss;
+    int k_bits, v_bits;
+    int64_t seq_len;
+    const int64_t* pos_dev;  // or null: attend to min(seq_len, *pos_dev + 1) positions (CUDA graphs)
+    float scale;
+    void* out;  // fp32 [B, Hq, D] contiguous (still rotated)
+    Workspace ws;
+    int device;
+    std::uintptr_t stream;
+};
+
+void kvq_decode_attention(const KvqAttnArgs& a);  // D % 32 == 0, D <= 256
+
 void silu_mul(const void* gate, const void* up, int64_t n, void* out, int device, std::uintptr_t stream);
 
 }  // namespace cuda

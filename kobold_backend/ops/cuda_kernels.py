@@ -40,6 +40,9 @@ CUDA_SIGNATURES: Dict[str, Tuple[str, ...]] = {
     "decode_attention": ("q", "q_sb", "q_sh", "b", "hq", "hkv", "d", "k_cache", "v_cache", "kcs", "vcs", "seq_len",
                          "pos_dev", "scale", "out", "ws", "device", "stream"),
     "silu_mul": ("gate", "up", "n", "out", "device", "stream"),
+    "kvq_decode_attention": ("q", "q_sb", "q_sh", "b", "hq", "hkv", "d", "kd", "ks", "vd", "vs", "kds", "kss", "vds",
+                             "vss", "k_bits", "v_bits", "seq_len", "pos_dev", "scale", "out", "ws", "device",
+                             "stream"),
 }
 
 
@@ -208,6 +211,30 @@ class CudaKernels:
                    hkv=k_cache.shape[1], d=d, k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
                    kcs=k_cache.stride()[:3], vcs=v_cache.stride()[:3], seq_len=int(seq_len), pos_dev=pos_dev,
                    scale=float(scale), out=y.data_ptr())
+        return y
+
+    def kvq_decode_attention(self, q: torch.Tensor, k_cache: Any, v_cache: Any, seq_len: int,
+                             pos: Optional[torch.Tensor], scale: float) -> Optional[torch.Tensor]:
+        """Attention of q [B, Hq, D] (rotated, any float dtype) over the first seq_len positions of 8/4-bit
+        caches (ops/kv_quant.QuantizedKV), positions after the device tensor `pos` masked when given; float32
+        output, still rotated. None when the layout does not suit the kernel (the caller falls back)."""
+        kd, ks, vd, vs = k_cache.data, k_cache.scales, v_cache.data, v_cache.scales
+        dev = q.device
+        kalign = 8 if k_cache.bits == 8 else 4
+        if (any(t.device != dev or t.stride(-1) != 1 for t in (kd, ks, vd, vs))
+                or kd.data_ptr() % kalign or any(s % kalign for s in kd.stride()[:3])
+                or vd.data_ptr() % 2 or any(s % 2 for s in vd.stride()[:3])
+                or not 1 <= seq_len <= kd.shape[2]
+                or (pos is not None and (pos.numel() != 1 or pos.dtype != torch.int64 or pos.device != dev))):
+            return None
+        qf = q.float().contiguous()
+        b, hq, d = qf.shape
+        y = torch.empty_like(qf)
+        self._call("kvq_decode_attention", dev, q=qf.data_ptr(), q_sb=qf.stride(0), q_sh=qf.stride(1), b=b, hq=hq,
+                   hkv=kd.shape[1], d=d, kd=kd.data_ptr(), ks=ks.data_ptr(), vd=vd.data_ptr(), vs=vs.data_ptr(),
+                   kds=kd.stride()[:3], kss=ks.stride()[:3], vds=vd.stride()[:3], vss=vs.stride()[:3],
+                   k_bits=k_cache.bits, v_bits=v_cache.bits, seq_len=int(seq_len),
+                   pos_dev=0 if pos is None else pos.data_ptr(), scale=float(scale), out=y.data_ptr())
         return y
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
