@@ -12,6 +12,7 @@ import torch
 
 from kobold_backend.ops.cpu_kernels import CPU_SIGNATURES, CpuKernels
 from kobold_backend.ops.cuda_kernels import CUDA_SIGNATURES, CudaKernels
+from kobold_backend.ops.kv_quant import QuantizedKV
 from kobold_backend.ops.marshal import call
 from tests.ext_helpers import make_gptq, random, rope_tables
 
@@ -88,6 +89,12 @@ def test_cuda_wrappers_name_every_argument_of_their_kernel(monkeypatch: pytest.M
     k.rope_cache_write(q, kv, kv, cos, sin, 5, kc, vc)
     k.decode_attention(q[:, 0], kc, vc, 9, 0.25)
     k.silu_mul(x, x)
+    kq = QuantizedKV.empty((1, 2, 16, 32), 4, half, "cpu")
+    vq = QuantizedKV.empty((1, 2, 16, 32), 8, half, "cpu")
+    k.kvq_decode_attention(random((1, 4, 32), half, seed=4), kq, vq, 9, None, 0.25)
+    cos32, sin32 = (t.to(half) for t in rope_tables(16, 32))
+    k.kvq_rope_write(random((1, 1, 4, 32), half, seed=5), random((1, 1, 2, 32), half, seed=6),
+                     random((1, 1, 2, 32), half, seed=7), cos32, sin32, 0, torch.tensor([3]), kq, vq)
     assert sorted(module.calls) == sorted(CUDA_SIGNATURES)
     c = module.calls
     assert (c["rms_norm"]["rows"], c["rms_norm"]["d"], c["rms_norm"]["eps"]) == (2, 64, pytest.approx(1e-5))
@@ -102,6 +109,15 @@ def test_cuda_wrappers_name_every_argument_of_their_kernel(monkeypatch: pytest.M
     att = c["decode_attention"]
     assert (att["hq"], att["hkv"], att["seq_len"], att["scale"], att["pos_dev"]) == (4, 2, 9, 0.25, 0)
     assert c["silu_mul"]["n"] == x.numel()
+    kvq = c["kvq_decode_attention"]
+    assert (kvq["hq"], kvq["hkv"], kvq["d"], kvq["k_bits"], kvq["v_bits"], kvq["seq_len"], kvq["pos_dev"]) == \
+        (4, 2, 32, 4, 8, 9, 0)
+    assert kvq["kd"] == kq.data.data_ptr() and kvq["vss"] == vq.scales.stride()[:3] and kvq["ws"] == (1, 2, 3, 4)
+    assert (kvq["q_f16"], kvq["out_f16"]) == (1, 1)
+    w = c["kvq_rope_write"]
+    assert (w["b"], w["t"], w["hq"], w["hkv"], w["d"], w["k_bits"], w["v_bits"], w["max_pos"]) == \
+        (1, 1, 4, 2, 32, 4, 8, 16)
+    assert w["pos_dev"] != 0 and w["vscale"] == vq.scales.data_ptr() and w["kds"] == kq.data.stride()[:3]
 
 
 def test_cpu_wrappers_name_every_argument_of_their_kernel() -> None:

@@ -1,7 +1,11 @@
-// Decode attention over the 8/4-bit KV cache (kobold_backend/ops/kv_quant.py has the layout): the integers are
-// dequantized in registers, never written back. Same plan as attention.cu (flash-decoding: sequence chunks, one
-// block per KV head and up to 8 of its query heads, an online softmax, a merge pass), with float32 query and
-// output: the caller passes the query rotated by the group Hadamard matrix and rotates the output back.
+// The 8/4-bit KV cache (kobold_backend/ops/kv_quant.py has the layout and the torch definitions):
+//  - kvq_rope_write: RoPE on q and k, then k and v rotated by the group Hadamard matrix and quantized into the
+//    cache at pos.. (host) or *pos_dev (CUDA graphs); one warp per group of 32 values, the Hadamard transform a
+//    butterfly over shuffles.
+//  - kvq_decode_attention: one query row against the integers, dequantized in registers, never written back.
+//    Same plan as attention.cu (flash-decoding: sequence chunks, one block per KV head and up to 8 of its query
+//    heads, an online softmax, a merge pass); the query is rotated into the cache's space in shared memory and the
+//    output rotated back before it is written (H is its own inverse).
 #include <algorithm>
 
 #include "kb_cuda.cuh"
@@ -17,9 +21,21 @@ constexpr int kTile = 256;      // positions scored per step
 constexpr int kMaxDim = 256;
 constexpr int kGroup = 32;      // values per scale
 constexpr int kMinChunk = 256;
+constexpr float kHadamardNorm = 0.17677669529663687f;  // 1 / sqrt(32)
+
+// The orthonormal Sylvester-Hadamard transform of the 32 values a full warp holds (one per lane).
+__device__ __forceinline__ float hadamard32(float x, int lane) {
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {
+        const float y = __shfl_xor_sync(0xffffffffu, x, m);
+        x = (lane & m) ? y - x : x + y;
+    }
+    return x * kHadamardNorm;
+}
 
 struct QParams {
-    const float* q;
+    const void* q;
+    int q_f16, out_f16;  // query / output dtype: float16, else float32
     int64_t q_sb, q_sh;
     const uint8_t* kd;
     const half* ks;
@@ -29,7 +45,7 @@ struct QParams {
     int hq, hkv, group, hgroups, d, seq_len, chunk_len, nchunks;
     float scale;
     const int64_t* pos_dev;
-    float* out;
+    void* out;
     float* part_o;
     float* part_ml;
 };
@@ -81,8 +97,12 @@ __global__ void __launch_bounds__(kThreads) kvq_chunk_kernel(QParams p) {
 
     for (int i = tid; i < nh * d; i += kThreads) {
         const int h = i / d, e = i % d;
-        q_s[h * d + e] = p.q[b * p.q_sb + static_cast<int64_t>(h0 + h) * p.q_sh + e];
+        const int64_t at = b * p.q_sb + static_cast<int64_t>(h0 + h) * p.q_sh + e;
+        q_s[h * d + e] = p.q_f16 ? __half2float(static_cast<const half*>(p.q)[at]) : static_cast<const float*>(p.q)[at];
     }
+    __syncthreads();
+    // Into the cache's rotated space: nh * d is a multiple of 32, so each warp holds whole groups.
+    for (int i = tid; i < nh * d; i += kThreads) q_s[i] = hadamard32(q_s[i], tid % 32);
     if (tid < kHeads) {
         m_s[tid] = -INFINITY;
         l_s[tid] = 0.0f;
@@ -208,7 +228,9 @@ __global__ void __launch_bounds__(kThreads) kvq_chunk_kernel(QParams p) {
         for (int r = 0; r < nph; ++r) o += red[(r * kHeads + h) * d + e];
         const int64_t bh = static_cast<int64_t>(b) * p.hq + h0 + h;
         if (p.nchunks == 1) {
-            p.out[bh * d + e] = o / l_s[h];
+            const float y = hadamard32(o / l_s[h], tid % 32);
+            if (p.out_f16) static_cast<half*>(p.out)[bh * d + e] = __float2half(y);
+            else static_cast<float*>(p.out)[bh * d + e] = y;
         } else {
             p.part_o[(bh * p.nchunks + chunk) * d + e] = o;
             if (e == 0) {
@@ -219,9 +241,10 @@ __global__ void __launch_bounds__(kThreads) kvq_chunk_kernel(QParams p) {
     }
 }
 
-// One block per (b, query head): out = sum_i o_i e^(m_i - M) / sum_i l_i e^(m_i - M); empty chunks have l = 0.
+// One block per (b, query head): out = H (sum_i o_i e^(m_i - M) / sum_i l_i e^(m_i - M)); empty chunks have
+// l = 0. The block is a whole number of warps and d a multiple of 32, so every warp holds whole groups.
 __global__ void kvq_reduce_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml, int nchunks,
-                                  int d, float* __restrict__ out) {
+                                  int d, void* __restrict__ out, int out_f16) {
     const int64_t bh = blockIdx.x;
     const float* ml = part_ml + bh * nchunks * 2;
     float mx = -INFINITY;
@@ -234,8 +257,71 @@ __global__ void kvq_reduce_kernel(const float* __restrict__ part_o, const float*
         float o = 0.0f;
         for (int i = 0; i < nchunks; ++i)
             if (ml[2 * i + 1] > 0.0f) o += part_o[(bh * nchunks + i) * d + e] * expf(ml[2 * i] - mx);
-        out[bh * d + e] = o / total;
+        const float y = hadamard32(o / total, threadIdx.x % 32);
+        if (out_f16) static_cast<half*>(out)[bh * d + e] = __float2half(y);
+        else static_cast<float*>(out)[bh * d + e] = y;
     }
+}
+
+__device__ __forceinline__ float cs_at(const void* t, int cs_f16, int64_t i) {
+    return cs_f16 ? __half2float(static_cast<const half*>(t)[i]) : static_cast<const float*>(t)[i];
+}
+
+// One warp per (b, t, head, group of 32) over Hq query heads, then Hkv key heads, then Hkv value heads.
+__global__ void __launch_bounds__(kThreads) kvq_write_kernel(KvqWriteArgs a) {
+    const int lane = threadIdx.x % 32;
+    const int64_t groups = a.d / kGroup;
+    const int64_t heads = a.hq + 2 * a.hkv;
+    const int64_t item = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+    if (item >= a.b * a.t * heads * groups) return;  // whole warps leave together
+    const int64_t g = item % groups, h = (item / groups) % heads, bt = item / (groups * heads);
+    const int64_t t = bt % a.t, b = bt / a.t;
+    const int64_t p = (a.pos_dev ? *a.pos_dev : a.pos) + t;
+    if (p < 0 || p >= a.max_pos) return;
+    const int64_t e = g * kGroup + lane, half_d = a.d / 2;
+    const int64_t pair = e < half_d ? e + half_d : e - half_d;
+    const float sign = e < half_d ? -1.0f : 1.0f;  // rotate_half: (-x[D/2:], x[:D/2])
+    const int cs16 = a.cs_dtype == F16;
+    if (h < a.hq) {
+        const half* src = static_cast<const half*>(a.q) + b * a.q_sb + t * a.q_st + h * a.q_sh;
+        const float y = __half2float(src[e]) * cs_at(a.cos, cs16, p * a.cos_stride + e) +
+                        sign * __half2float(src[pair]) * cs_at(a.sin, cs16, p * a.sin_stride + e);
+        static_cast<half*>(a.q_out)[((b * a.t + t) * a.hq + h) * a.d + e] = __float2half(y);
+        return;
+    }
+    const bool is_k = h < a.hq + a.hkv;
+    const int64_t hk = is_k ? h - a.hq : h - a.hq - a.hkv;
+    float x;
+    if (is_k) {
+        const half* src = static_cast<const half*>(a.k) + b * a.k_sb + t * a.k_st + hk * a.k_sh;
+        const float y = __half2float(src[e]) * cs_at(a.cos, cs16, p * a.cos_stride + e) +
+                        sign * __half2float(src[pair]) * cs_at(a.sin, cs16, p * a.sin_stride + e);
+        x = __half2float(__float2half(y));  // the rotated key in the model's dtype, as the torch path stores it
+    } else {
+        x = __half2float((static_cast<const half*>(a.v) + b * a.v_sb + t * a.v_st + hk * a.v_sh)[e]);
+    }
+    x = hadamard32(x, lane);
+    float amax = fabsf(x);
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+    const int bits = is_k ? a.k_bits : a.v_bits;
+    const float qmax = bits == 8 ? 127.0f : 7.0f;
+    const half scale = __float2half(amax / qmax);
+    const float s = __half2float(scale);
+    const float q = s > 0.0f ? fminf(fmaxf(rintf(x / s), -qmax), qmax) : 0.0f;
+    uint8_t* data = static_cast<uint8_t*>(is_k ? a.kd : a.vd) +
+                    b * (is_k ? a.kd_sb : a.vd_sb) + hk * (is_k ? a.kd_sh : a.vd_sh) + p * (is_k ? a.kd_ss : a.vd_ss);
+    half* scales = static_cast<half*>(is_k ? a.ks : a.vs) +
+                   b * (is_k ? a.ks_sb : a.vs_sb) + hk * (is_k ? a.ks_sh : a.vs_sh) + p * (is_k ? a.ks_ss : a.vs_ss);
+    const int qi = static_cast<int>(q);
+    if (bits == 8) {
+        data[e] = static_cast<uint8_t>(static_cast<int8_t>(qi));
+    } else {
+        const int n = qi + 8;
+        const int hi = __shfl_down_sync(0xffffffffu, n, 1);
+        if ((lane & 1) == 0) data[e / 2] = static_cast<uint8_t>(n | (hi << 4));
+    }
+    if (lane == 0) scales[g] = scale;
 }
 
 template <int KBITS, int VBITS>
@@ -244,6 +330,20 @@ void launch(const dim3& grid, cudaStream_t stream, const QParams& p) {
 }
 
 }  // namespace
+
+void kvq_rope_write(const KvqWriteArgs& a) {
+    require(a.d >= kGroup && a.d % kGroup == 0, "kvq_rope_write needs head_dim a multiple of 32");
+    require(a.cs_dtype == F16 || a.cs_dtype == F32, "kvq_rope_write: cos/sin must be float16 or float32");
+    require((a.k_bits == 8 || a.k_bits == 4) && (a.v_bits == 8 || a.v_bits == 4),
+            "kvq_rope_write: K and V must be 8- or 4-bit");
+    const int64_t warps = a.b * a.t * (a.hq + 2 * a.hkv) * (a.d / kGroup);
+    if (warps == 0) return;
+    const int64_t blocks = (warps + kThreads / 32 - 1) / (kThreads / 32);
+    require(blocks <= 2147483647LL, "kvq_rope_write: too many heads x tokens for one launch");
+    use_device(a.device);
+    kvq_write_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(a.stream)>>>(a);
+    KB_CHECK_LAUNCH();
+}
 
 void kvq_decode_attention(const KvqAttnArgs& a) {
     require(a.hkv >= 1 && a.hq >= a.hkv && a.hq % a.hkv == 0,
@@ -274,7 +374,9 @@ void kvq_decode_attention(const KvqAttnArgs& a) {
     nchunks = (a.seq_len + chunk_len - 1) / chunk_len;
 
     QParams p;
-    p.q = static_cast<const float*>(a.q);
+    p.q = a.q;
+    p.q_f16 = a.q_f16;
+    p.out_f16 = a.out_f16;
     p.q_sb = a.q_sb;
     p.q_sh = a.q_sh;
     p.kd = static_cast<const uint8_t*>(a.kd);
@@ -295,7 +397,7 @@ void kvq_decode_attention(const KvqAttnArgs& a) {
     p.nchunks = static_cast<int>(nchunks);
     p.scale = a.scale;
     p.pos_dev = a.pos_dev;
-    p.out = static_cast<float*>(a.out);
+    p.out = a.out;
     p.part_o = a.ws.data;
     p.part_ml = a.ws.data ? a.ws.data + a.b * a.hq * nchunks * a.d : nullptr;
     const dim3 grid(static_cast<unsigned>(nchunks), static_cast<unsigned>(base_blocks));
@@ -308,7 +410,8 @@ void kvq_decode_attention(const KvqAttnArgs& a) {
     if (nchunks > 1) {
         const int threads = static_cast<int>(std::min<int64_t>(256, (a.d + 31) / 32 * 32));
         kvq_reduce_kernel<<<static_cast<unsigned>(a.b * a.hq), threads, 0, stream>>>(p.part_o, p.part_ml,
-                                                                                       p.nchunks, p.d, p.out);
+                                                                                       p.nchunks, p.d, p.out,
+                                                                                       p.out_f16);
         KB_CHECK_LAUNCH();
     }
 }

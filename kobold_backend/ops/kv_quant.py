@@ -12,9 +12,11 @@ That is D + D/16 bytes per vector at 8 bits (53 % of fp16 at D=128) and D/2 + D/
 
 Because H is orthonormal and symmetric, q.k = (Hq).(Hk) and sum_j p_j v_j = H sum_j p_j (H v_j): attention runs in
 the rotated space on the stored integers (the query rotated once, the output rotated back once), so no kernel
-rotates a cached vector. Quantization (on every write: prefill, decode step, context shift) is torch code and
-graph-capturable; reads go through the CUDA kernel `kvq_decode_attention` for decode steps and dequantize only the
-attended range for prompt chunks and on the CPU.
+rotates a cached vector. On CUDA two kernels (csrc/cuda/kv_quant.cu) do the work of a step: `kvq_rope_write`
+(RoPE, rotation and quantization of the new keys and values, fused) and `kvq_decode_attention` (reads the integers,
+dequantizing in registers); both are graph-capturable. Prompt chunks dequantize only the attended range; the CPU
+and any layout the kernels do not take use the torch definitions below. Context shifting re-quantizes the
+re-rotated keys from their dequantized values (values move as bytes).
 """
 
 from __future__ import annotations
@@ -169,7 +171,11 @@ def _rope(q: torch.Tensor, k: torch.Tensor, c: torch.Tensor, s: torch.Tensor) ->
 
 def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      pos: int, k_cache: Any, v_cache: Any) -> torch.Tensor:
-    """reference.rope_cache_write into quantized caches (the rotated keys quantized from float32)."""
+    """reference.rope_cache_write into quantized caches: the rotated keys, rounded to k's dtype, and the values
+    quantized (one CUDA kernel where it is loaded, else the torch definition)."""
+    out = _native_write(q, k, v, cos, sin, pos, None, k_cache, v_cache)
+    if out is not None:
+        return out
     t = q.shape[1]
     q_rot, k_rot = _rope(q, k, cos[pos : pos + t].view(1, t, 1, -1), sin[pos : pos + t].view(1, t, 1, -1))
     _store(k_cache, k_rot.to(k.dtype).transpose(1, 2), pos)
@@ -180,10 +186,23 @@ def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
 def rope_cache_write_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         pos: torch.Tensor, k_cache: Any, v_cache: Any) -> torch.Tensor:
     """rope_cache_write for one token at the device-tensor position `pos` (CUDA-graph capturable)."""
+    out = _native_write(q, k, v, cos, sin, 0, pos, k_cache, v_cache)
+    if out is not None:
+        return out
     q_rot, k_rot = _rope(q, k, cos.index_select(0, pos).view(1, 1, 1, -1), sin.index_select(0, pos).view(1, 1, 1, -1))
     _store_at(k_cache, k_rot.to(k.dtype).transpose(1, 2), pos)
     _store_at(v_cache, v.transpose(1, 2), pos)
     return q_rot
+
+
+def _native_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: int,
+                  pos_dev: Optional[torch.Tensor], k_cache: Any, v_cache: Any) -> Optional[torch.Tensor]:
+    if not (q.is_cuda and isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV)):
+        return None
+    kern = native.cuda_kernels()
+    if kern is None or not hasattr(kern.module, "kvq_rope_write"):
+        return None
+    return kern.kvq_rope_write(q, k, v, cos, sin, pos, pos_dev, k_cache, v_cache)
 
 
 def _store(cache: Any, x: torch.Tensor, pos: int) -> None:
@@ -234,8 +253,8 @@ def decode_attention_at(q: torch.Tensor, k_cache: Any, v_cache: Any, pos: torch.
 def _cuda_call(q: torch.Tensor, k_cache: Any, v_cache: Any, length: int, pos: Optional[torch.Tensor], scale: float,
                window: Optional[int], softcap: Optional[float]) -> Optional[torch.Tensor]:
     """The CUDA kernel's result when it can read these caches directly (both quantized, no window or
-    soft-capping), else None and the reference dequantizes the range. The query is rotated
-    into the cache's Hadamard space and the output rotated back."""
+    soft-capping), else None and the reference dequantizes the range. The kernel rotates the query
+    into the cache's Hadamard space and the output back."""
     if not (q.is_cuda and window is None and softcap is None
             and isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV)
             and q.shape[1] % k_cache.shape[1] == 0 and k_cache.head_dim <= 256):
@@ -243,5 +262,6 @@ def _cuda_call(q: torch.Tensor, k_cache: Any, v_cache: Any, length: int, pos: Op
     kern = native.cuda_kernels()
     if kern is None or not hasattr(kern.module, "kvq_decode_attention"):
         return None
-    out = kern.kvq_decode_attention(rotate(q), k_cache, v_cache, length, pos, scale)
-    return None if out is None else rotate(out).to(q.dtype)
+    x = q if q.dtype in (torch.float16, torch.float32) else q.float()
+    out = kern.kvq_decode_attention(x, k_cache, v_cache, length, pos, scale)
+    return None if out is None else out.to(q.dtype)
