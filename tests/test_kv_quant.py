@@ -7,6 +7,7 @@ perplexity targets (q8 within 0.5 %, q4 within 3 % of the unquantized cache) on 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 from typing import List
@@ -374,10 +375,33 @@ def test_cli_and_bench_flags(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     args = bench.parse_args(["--model", str(DEMO), "--device", "cpu", "--perplexity", str(text),
                              "--cache-dtype", "fp16,q8", "--json", str(out)])
     assert run_bench(args) == 0
-    import json
-
     result = json.loads(out.read_text())["perplexity"]
     assert set(result) == {"fp16", "q8"} and abs(result["q8"]["vs_fp16_percent"]) < 0.5
     assert result["q8"]["cache_bytes"] < result["fp16"]["cache_bytes"] / 3  # float32 on the CPU
     with pytest.raises(SystemExit):
         bench.parse_args(["--cache-dtype", "q8,int2"])
+
+
+def test_the_web_load_form_loads_a_quantized_cache(checkpoints, tmp_path: Path) -> None:
+    import shutil
+
+    from kobold_backend.server import ServerConfig, create_app
+    from tests.server_helpers import make_holder
+
+    src = checkpoints.get("head32").path
+    shutil.copytree(src, tmp_path / "models" / "head32")
+    app = create_app(ServerConfig(models_dir=tmp_path / "models"), make_holder(src))
+    try:
+        c = app.test_client()
+        params = {p["id"]: p for p in c.get("/ui/parameters?model=head32").get_json()["parameters"]}
+        assert params["kv_cache"]["default"] == "fp16"
+        status = c.post("/ui/load", json={"model": "head32", "parameters": {"kv_cache": "q4", "max_ctx": 256}})
+        assert status.status_code == 200, status.get_json()
+        lm = app.extensions["kobold_backend"].holder.active.lm
+        assert lm.model.cache_dtype == "q4"
+        out = c.post("/api/v1/generate", json={"prompt": "Hello there", "max_length": 6, "temperature": 0.01})
+        assert out.status_code == 200 and isinstance(out.get_json()["results"][0]["text"], str)
+        bad = c.post("/ui/load", json={"model": "head32", "parameters": {"kv_cache": "q3"}})
+        assert bad.status_code == 422 and "kv_cache" in json.dumps(bad.get_json())
+    finally:
+        app.extensions["kobold_backend"].close()
