@@ -135,8 +135,14 @@ def test_cpu_wrappers_name_every_argument_of_their_kernel() -> None:
     k.rope_cache_write(q, kv, kv, cos.float(), sin.float(), 5, kc, vc)
     k.decode_attention(q[:, 0], kc, vc, 9, 0.25)
     k.silu_mul(x, x)
+    kq = QuantizedKV.empty((1, 2, 16, 32), 8, torch.float32, "cpu")
+    vq = QuantizedKV.empty((1, 2, 16, 32), 4, torch.float32, "cpu")
+    assert k.kvq_decode_attention(random((1, 4, 32), torch.float32, seed=4), kq, vq, 7, 0.25) is not None
     assert sorted(module.calls) == sorted(CPU_SIGNATURES)
     c = module.calls
+    kvq = c["kvq_decode_attention"]
+    assert (kvq["hq"], kvq["hkv"], kvq["d"], kvq["k_bits"], kvq["v_bits"], kvq["seq_len"]) == (4, 2, 32, 8, 4, 7)
+    assert kvq["ks"] == kq.scales.data_ptr() and kvq["vds"] == vq.data.stride()[:3]
     assert (c["gptq_gemv"]["rows"], c["gptq_gemv"]["out_dtype"], c["gptq_gemv"]["bias"]) == (2, 0, 0)
     assert (c["rope_cache_write"]["pos"], c["decode_attention"]["seq_len"]) == (5, 9)
     assert c["silu_mul"]["threads"] == torch.get_num_threads()

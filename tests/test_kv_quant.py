@@ -163,6 +163,32 @@ def test_attention_over_a_quantized_cache_stays_within_the_stated_bound(name: st
     assert ((got1 - want1).norm() / want1.norm()).item() < ATTN_BOUNDS[name]
 
 
+@pytest.mark.parametrize("bits", [(8, 8), (4, 4), (8, 4)])
+def test_native_cpu_attention_reads_the_integers_in_place(bits) -> None:
+    from kobold_backend.ops import native
+
+    kern = native.cpu_kernels()
+    if kern is None or not hasattr(kern.module, "kvq_decode_attention"):
+        pytest.skip("the loaded CPU kernels predate csrc/cpu/kv_quant_cpu.cpp (rebuild the wheels, or "
+                    "KOBOLD_BACKEND_EXT=jit)")
+    g = torch.Generator().manual_seed(5)
+    b, hq, hkv, s, d, n = 2, 8, 2, 200, 64, 150
+    k = torch.randn(b, hkv, s, d, generator=g)
+    v = torch.randn(b, hkv, s, d, generator=g)
+    kq = QuantizedKV.empty((b, hkv, s, d), bits[0], torch.float32, "cpu").copy_(k)
+    vq = QuantizedKV.empty((b, hkv, s, d), bits[1], torch.float32, "cpu").copy_(v)
+    q = torch.randn(b, hq, d, generator=g)
+    want = reference.decode_attention(q.double(), kq[:, :, :n].float().double(), vq[:, :, :n].float().double(),
+                                      n, d ** -0.5)
+    got = kern.kvq_decode_attention(q, kq, vq, n, d ** -0.5)
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-5
+    # the op layer takes this path on the CPU, and the device-position form masks after `pos`
+    torch.testing.assert_close(ops.decode_attention(q, kq, vq, n, d ** -0.5), got)
+    torch.testing.assert_close(ops.decode_attention_at(q, kq, vq, torch.tensor([n - 1]), s, d ** -0.5), got)
+    half = kern.kvq_decode_attention(q.to(torch.bfloat16), kq, vq, n, d ** -0.5)
+    assert half.dtype == torch.bfloat16
+
+
 def test_rope_cache_write_at_quantizes_what_rope_cache_write_does() -> None:
     g = torch.Generator().manual_seed(3)
     d, s = 64, 16

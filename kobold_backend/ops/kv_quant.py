@@ -14,9 +14,10 @@ Because H is orthonormal and symmetric, q.k = (Hq).(Hk) and sum_j p_j v_j = H su
 the rotated space on the stored integers (the query rotated once, the output rotated back once), so no kernel
 rotates a cached vector. On CUDA two kernels (csrc/cuda/kv_quant.cu) do the work of a step: `kvq_rope_write`
 (RoPE, rotation and quantization of the new keys and values, fused) and `kvq_decode_attention` (reads the integers,
-dequantizing in registers); both are graph-capturable. Prompt chunks dequantize only the attended range; the CPU
-and any layout the kernels do not take use the torch definitions below. Context shifting re-quantizes the
-re-rotated keys from their dequantized values (values move as bytes).
+dequantizing in registers); both are graph-capturable. On the CPU, csrc/cpu/kv_quant_cpu.cpp's
+`kvq_decode_attention` reads the integers in place. Prompt chunks dequantize only the attended range; any layout
+the kernels do not take uses the torch definitions below. Context shifting re-quantizes the re-rotated keys from
+their dequantized values (values move as bytes).
 """
 
 from __future__ import annotations
@@ -233,7 +234,7 @@ def attention(q: torch.Tensor, k_cache: Any, v_cache: Any, pos: int, scale: floa
 def decode_attention(q: torch.Tensor, k_cache: Any, v_cache: Any, seq_len: int, scale: float,
                      window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """One query row [B, Hq, D] against the first seq_len quantized positions."""
-    out = _cuda_call(q, k_cache, v_cache, seq_len, None, scale, window, softcap)
+    out = _native_call(q, k_cache, v_cache, seq_len, None, scale, window, softcap)
     if out is not None:
         return out
     return reference.decode_attention(q, _dense(k_cache, seq_len), _dense(v_cache, seq_len), seq_len, scale,
@@ -243,21 +244,29 @@ def decode_attention(q: torch.Tensor, k_cache: Any, v_cache: Any, seq_len: int, 
 def decode_attention_at(q: torch.Tensor, k_cache: Any, v_cache: Any, pos: torch.Tensor, length: int, scale: float,
                         window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """decode_attention over the first `length` positions, those after the device tensor `pos` masked."""
-    out = _cuda_call(q, k_cache, v_cache, length, pos, scale, window, softcap)
+    out = _native_call(q, k_cache, v_cache, length, pos, scale, window, softcap)
     if out is not None:
         return out
     return reference.decode_attention_at(q, _dense(k_cache, length), _dense(v_cache, length), pos, length, scale,
                                          window, softcap)
 
 
-def _cuda_call(q: torch.Tensor, k_cache: Any, v_cache: Any, length: int, pos: Optional[torch.Tensor], scale: float,
-               window: Optional[int], softcap: Optional[float]) -> Optional[torch.Tensor]:
-    """The CUDA kernel's result when it can read these caches directly (both quantized, no window or
-    soft-capping), else None and the reference dequantizes the range. The kernel rotates the query
-    into the cache's Hadamard space and the output back."""
-    if not (q.is_cuda and window is None and softcap is None
-            and isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV)
-            and q.shape[1] % k_cache.shape[1] == 0 and k_cache.head_dim <= 256):
+def _native_call(q: torch.Tensor, k_cache: Any, v_cache: Any, length: int, pos: Optional[torch.Tensor],
+                 scale: float, window: Optional[int], softcap: Optional[float]) -> Optional[torch.Tensor]:
+    """The native kernel's result when one can read these caches directly (both quantized, no window or
+    soft-capping), else None and the reference dequantizes the range. The kernels rotate the query into the
+    cache's Hadamard space and the output back."""
+    if not (window is None and softcap is None and isinstance(k_cache, QuantizedKV)
+            and isinstance(v_cache, QuantizedKV) and q.dim() == 3 and q.shape[1] % k_cache.shape[1] == 0
+            and k_cache.head_dim == q.shape[2] and k_cache.head_dim <= 256):
+        return None
+    if q.is_cpu:
+        kern = native.cpu_kernels()
+        if kern is None or not hasattr(kern.module, "kvq_decode_attention"):
+            return None
+        n = length if pos is None else min(int(pos) + 1, length)
+        return kern.kvq_decode_attention(q, k_cache, v_cache, n, scale)
+    if not q.is_cuda:
         return None
     kern = native.cuda_kernels()
     if kern is None or not hasattr(kern.module, "kvq_decode_attention"):
