@@ -121,8 +121,7 @@ def load_model(
         per_layer = [resolve_device(d) for d in layer_devices] if layer_devices else [main] * config.num_layers
         check_cache_memory(config, per_layer, compute_dtype, seq_len, cache_dtype)
         model = _build(reader, config, main, per_layer, compute_dtype, seq_len, embed_on_cpu,
-                       rope_alpha, compress_pos_emb, progress)
-    model.cache_dtype = cache_dtype
+                       rope_alpha, compress_pos_emb, progress, cache_dtype)
     fmt = describe(config, model.layers)
     log.info("loaded %s (%s, %s): %d layers, %.1f MB of weights on %s, %s KV cache", folder.name,
              config.architecture, fmt, config.num_layers, model.nbytes / 1e6, main, cache_dtype)
@@ -263,6 +262,7 @@ def _build(
     rope_alpha: float,
     compress_pos_emb: float,
     progress: Optional[Progress],
+    cache_dtype: str = "fp16",
 ) -> Model:
     h = config.hidden_size
     total = config.num_layers + 2
@@ -304,4 +304,4 @@ def _build(
             tables[key] = cos_sin_tables(config, seq_len, key[0], key[1], rope_alpha, compress_pos_emb, key[2])
         cos.append(tables[key][0])
         sin.append(tables[key][1])
-    return Model(config, embed, layers, norm, lm_head, cos, sin, head_dt, seq_len)
+    return Model(config, embed, layers, norm, lm_head, cos, sin, head_dt, seq_len, cache_dtype)
