@@ -113,7 +113,7 @@ def test_cuda_wrappers_name_every_argument_of_their_kernel(monkeypatch: pytest.M
     assert (kvq["hq"], kvq["hkv"], kvq["d"], kvq["k_bits"], kvq["v_bits"], kvq["seq_len"], kvq["pos_dev"]) == \
         (4, 2, 32, 4, 8, 9, 0)
     assert kvq["kd"] == kq.data.data_ptr() and kvq["vss"] == vq.scales.stride()[:3] and kvq["ws"] == (1, 2, 3, 4)
-    assert (kvq["q_f16"], kvq["out_f16"]) == (1, 1)
+    assert (kvq["q_f16"], kvq["out_f16"], kvq["window"], kvq["softcap"]) == (1, 1, 0, 0.0)
     w = c["kvq_rope_write"]
     assert (w["b"], w["t"], w["hq"], w["hkv"], w["d"], w["k_bits"], w["v_bits"], w["max_pos"]) == \
         (1, 1, 4, 2, 32, 4, 8, 16)

@@ -187,6 +187,13 @@ def test_native_cpu_attention_reads_the_integers_in_place(bits) -> None:
     torch.testing.assert_close(ops.decode_attention_at(q, kq, vq, torch.tensor([n - 1]), s, d ** -0.5), got)
     half = kern.kvq_decode_attention(q.to(torch.bfloat16), kq, vq, n, d ** -0.5)
     assert half.dtype == torch.bfloat16
+    # a sliding window of 40 and Gemma 2's soft-capping, against the reference on the same dequantized values
+    k64, v64 = kq[:, :, :n].float().double(), vq[:, :, :n].float().double()
+    want = reference.decode_attention(q.double(), k64, v64, n, d ** -0.5, window=40, softcap=0.5)
+    got = ops.decode_attention(q, kq, vq, n, d ** -0.5, window=40, softcap=0.5)
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-5
+    at = ops.decode_attention_at(q, kq, vq, torch.tensor([n - 1]), s, d ** -0.5, window=40, softcap=0.5)
+    torch.testing.assert_close(at, got)
 
 
 def test_rope_cache_write_at_quantizes_what_rope_cache_write_does() -> None:

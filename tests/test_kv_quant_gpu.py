@@ -93,6 +93,22 @@ def test_decode_attention_kernel_matches_float64_on_the_stored_integers(
     assert rel < 1e-4, rel
 
 
+@pytest.mark.parametrize("window,softcap", [(7, None), (300, 30.0), (None, 0.5)])
+def test_decode_attention_kernel_applies_the_window_and_soft_cap(kernels: native.CudaKernels, window: Optional[int],
+                                                                 softcap: Optional[float]) -> None:
+    g = torch.Generator(device="cuda").manual_seed(11)
+    b, hq, hkv, d, n, s = 1, 16, 8, 128, 1500, 2048
+    kq = _cache(torch.randn(b, hkv, s, d, device="cuda", generator=g), 8)
+    vq = _cache(torch.randn(b, hkv, s, d, device="cuda", generator=g), 4)
+    q = torch.randn(b, hq, d, device="cuda", generator=g).half()
+    k64, v64 = kq[:, :, :n].float().double().cpu(), vq[:, :, :n].float().double().cpu()
+    want = reference.decode_attention(q.double().cpu(), k64, v64, n, d ** -0.5, window, softcap)
+    got = kernels.kvq_decode_attention(q, kq, vq, n, None, d ** -0.5, window, softcap)
+    assert ((got.double().cpu() - want).norm() / want.norm()).item() < 4e-3
+    at = kernels.kvq_decode_attention(q, kq, vq, s, torch.tensor([n - 1], device="cuda"), d ** -0.5, window, softcap)
+    assert ((at.double().cpu() - want).norm() / want.norm()).item() < 4e-3
+
+
 @pytest.mark.parametrize("bits", [(8, 8), (4, 4), (8, 4)])
 @pytest.mark.parametrize("t,pos_dev", [(1, True), (1, False), (37, False)])
 def test_rope_write_kernel_stores_what_the_torch_quantizer_stores(

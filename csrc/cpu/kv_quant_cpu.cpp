@@ -59,7 +59,8 @@ void kvq_attention_t(const KvqAttnArgs& a) {
             std::copy(qi, qi + a.d, qf.begin());
             hadamard_groups(qf.data(), a.d);
             float mx = -INFINITY;
-            for (int64_t p = 0; p < a.seq_len; ++p) {
+            const int64_t lo = a.window > 0 ? std::max<int64_t>(0, a.seq_len - a.window) : 0;
+            for (int64_t p = lo; p < a.seq_len; ++p) {
                 const uint8_t* kr = kd + b * a.kd_sb + hk * a.kd_sh + p * a.kd_ss;
                 const uint16_t* sr = ks + b * a.ks_sb + hk * a.ks_sh + p * a.ks_ss;
                 float dot = 0.0f;
@@ -68,16 +69,17 @@ void kvq_attention_t(const KvqAttnArgs& a) {
                     for (int64_t e = g * kGroup; e < (g + 1) * kGroup; ++e) part += qf[e] * stored<KBITS>(kr, e);
                     dot += half_to_f32(sr[g]) * part;
                 }
-                scores[p] = dot * a.scale;
+                const float x = dot * a.scale;
+                scores[p] = a.softcap > 0.0f ? a.softcap * std::tanh(x / a.softcap) : x;
                 mx = std::max(mx, scores[p]);
             }
             float sum = 0.0f;
-            for (int64_t p = 0; p < a.seq_len; ++p) {
+            for (int64_t p = lo; p < a.seq_len; ++p) {
                 scores[p] = std::exp(scores[p] - mx);
                 sum += scores[p];
             }
             std::fill(acc.begin(), acc.end(), 0.0f);
-            for (int64_t p = 0; p < a.seq_len; ++p) {
+            for (int64_t p = lo; p < a.seq_len; ++p) {
                 const uint8_t* vr = vd + b * a.vd_sb + hk * a.vd_sh + p * a.vd_ss;
                 const uint16_t* sr = vs + b * a.vs_sb + hk * a.vs_sh + p * a.vs_ss;
                 const float pr = scores[p] / sum;
@@ -98,6 +100,7 @@ void kvq_decode_attention(const KvqAttnArgs& a) {
     require(a.hkv >= 1 && a.hq % a.hkv == 0, "kvq_decode_attention: query heads must be a multiple of KV heads");
     require(a.d >= kGroup && a.d % kGroup == 0, "kvq_decode_attention needs head_dim a multiple of 32");
     require(a.seq_len >= 1, "kvq_decode_attention needs seq_len >= 1");
+    require(a.window >= 0 && a.softcap >= 0.0f, "kvq_decode_attention: window and softcap must be >= 0 (0: none)");
     require((a.k_bits == 8 || a.k_bits == 4) && (a.v_bits == 8 || a.v_bits == 4),
             "kvq_decode_attention: K and V must be 8- or 4-bit");
     if (a.k_bits == 8 && a.v_bits == 8) kvq_attention_t<8, 8>(a);

@@ -81,7 +81,9 @@ struct KvqAttnArgs {
     int k_bits, v_bits;
     int64_t seq_len;
     float scale;
-    void* out;  // float32 [B, Hq, D] contiguous
+    int64_t window;  // > 0: only the last `window` of the seq_len positions; 0: all
+    float softcap;   // > 0: scores become softcap * tanh(scores / softcap); 0: none
+    void* out;       // float32 [B, Hq, D] contiguous
     int threads;
 };
 

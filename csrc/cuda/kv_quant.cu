@@ -42,8 +42,8 @@ struct QParams {
     const uint8_t* vd;
     const half* vs;
     int64_t kd_sb, kd_sh, kd_ss, ks_sb, ks_sh, ks_ss, vd_sb, vd_sh, vd_ss, vs_sb, vs_sh, vs_ss;
-    int hq, hkv, group, hgroups, d, seq_len, chunk_len, nchunks;
-    float scale;
+    int hq, hkv, group, hgroups, d, seq_len, chunk_len, nchunks, window;
+    float scale, softcap;
     const int64_t* pos_dev;
     void* out;
     float* part_o;
@@ -92,7 +92,9 @@ __global__ void __launch_bounds__(kThreads) kvq_chunk_kernel(QParams p) {
     const int nh = min(kHeads, p.group - hg * kHeads);
     const int d = p.d, groups = d / kGroup, pairs = d / 2;
     const int seq = p.pos_dev ? static_cast<int>(min(static_cast<int64_t>(p.seq_len), *p.pos_dev + 1)) : p.seq_len;
-    const int c0 = chunk * p.chunk_len, c1 = min(c0 + p.chunk_len, seq);
+    // A sliding window hides the positions before seq - window (the chunks there stay empty: l = 0).
+    const int lo = p.window > 0 ? max(0, seq - p.window) : 0;
+    const int c0 = max(chunk * p.chunk_len, lo), c1 = min(chunk * p.chunk_len + p.chunk_len, seq);
     const int tid = threadIdx.x;
 
     for (int i = tid; i < nh * d; i += kThreads) {
@@ -152,8 +154,12 @@ __global__ void __launch_bounds__(kThreads) kvq_chunk_kernel(QParams p) {
                 for (int h = 0; h < kHeads; ++h) dot[h] += s * part[h];
             }
 #pragma unroll
-            for (int h = 0; h < kHeads; ++h)
-                if (h < nh) sc[h * kTile + pi] = dot[h] * p.scale;
+            for (int h = 0; h < kHeads; ++h) {
+                if (h < nh) {
+                    const float x = dot[h] * p.scale;
+                    sc[h * kTile + pi] = p.softcap > 0.0f ? p.softcap * tanhf(x / p.softcap) : x;
+                }
+            }
         }
         __syncthreads();
 
@@ -353,6 +359,7 @@ void kvq_decode_attention(const KvqAttnArgs& a) {
     require((a.k_bits == 8 || a.k_bits == 4) && (a.v_bits == 8 || a.v_bits == 4),
             "kvq_decode_attention: K and V must be 8- or 4-bit");
     require(a.seq_len >= 1 && a.seq_len < (1LL << 31), "kvq_decode_attention needs 1 <= seq_len < 2^31");
+    require(a.window >= 0 && a.softcap >= 0.0f, "kvq_decode_attention: window and softcap must be >= 0 (0: none)");
     const int64_t kalign = a.k_bits == 8 ? 8 : 4;
     require(aligned(a.kd, kalign) && a.kd_ss % kalign == 0 && a.kd_sh % kalign == 0 && a.kd_sb % kalign == 0 &&
                 aligned(a.vd, 2) && a.vd_ss % 2 == 0 && a.vd_sh % 2 == 0 && a.vd_sb % 2 == 0,
@@ -396,6 +403,8 @@ void kvq_decode_attention(const KvqAttnArgs& a) {
     p.chunk_len = static_cast<int>(chunk_len);
     p.nchunks = static_cast<int>(nchunks);
     p.scale = a.scale;
+    p.window = static_cast<int>(std::min<int64_t>(a.window, a.seq_len));
+    p.softcap = a.softcap;
     p.pos_dev = a.pos_dev;
     p.out = a.out;
     p.part_o = a.ws.data;

@@ -117,12 +117,13 @@ PYBIND11_MODULE(_ext_cuda, m) {
                                      int64_t hkv, int64_t d, std::uintptr_t kd, std::uintptr_t ks, std::uintptr_t vd,
                                      std::uintptr_t vs, py::tuple kds, py::tuple kss, py::tuple vds, py::tuple vss,
                                      int k_bits, int v_bits, int64_t seq_len, std::uintptr_t pos_dev, float scale,
-                                     std::uintptr_t out, py::tuple ws, int device, std::uintptr_t stream) {
+                                     int64_t window, float softcap, std::uintptr_t out, py::tuple ws, int device,
+                                     std::uintptr_t stream) {
         kc::KvqAttnArgs a{ptr<const void>(q), q_f16, out_f16, q_sb, q_sh, b, hq, hkv, d, ptr<const void>(kd), ptr<const void>(ks),
                           ptr<const void>(vd), ptr<const void>(vs), at(kds, 0), at(kds, 1), at(kds, 2), at(kss, 0),
                           at(kss, 1), at(kss, 2), at(vds, 0), at(vds, 1), at(vds, 2), at(vss, 0), at(vss, 1),
-                          at(vss, 2), k_bits, v_bits, seq_len, ptr<const int64_t>(pos_dev), scale, ptr<void>(out),
-                          workspace(ws), device, stream};
+                          at(vss, 2), k_bits, v_bits, seq_len, ptr<const int64_t>(pos_dev), scale, window, softcap,
+                          ptr<void>(out), workspace(ws), device, stream};
         py::gil_scoped_release release;
         kc::kvq_decode_attention(a);
     });

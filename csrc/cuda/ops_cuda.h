@@ -102,6 +102,8 @@ struct KvqAttnArgs {
     int64_t seq_len;
     const int64_t* pos_dev;  // or null: attend to min(seq_len, *pos_dev + 1) positions (CUDA graphs)
     float scale;
+    int64_t window;          // > 0: only the last `window` of those positions (sliding window); 0: all
+    float softcap;           // > 0: scores become softcap * tanh(scores / softcap) (Gemma 2); 0: none
     void* out;  // [B, Hq, D] contiguous, fp16 (out_f16) or fp32
     Workspace ws;
     int device;

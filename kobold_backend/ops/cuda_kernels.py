@@ -41,8 +41,8 @@ CUDA_SIGNATURES: Dict[str, Tuple[str, ...]] = {
                          "pos_dev", "scale", "out", "ws", "device", "stream"),
     "silu_mul": ("gate", "up", "n", "out", "device", "stream"),
     "kvq_decode_attention": ("q", "q_f16", "out_f16", "q_sb", "q_sh", "b", "hq", "hkv", "d", "kd", "ks", "vd", "vs",
-                             "kds", "kss", "vds", "vss", "k_bits", "v_bits", "seq_len", "pos_dev", "scale", "out",
-                             "ws", "device", "stream"),
+                             "kds", "kss", "vds", "vss", "k_bits", "v_bits", "seq_len", "pos_dev", "scale", "window",
+                             "softcap", "out", "ws", "device", "stream"),
     "kvq_rope_write": ("q", "k", "v", "qs", "ks", "vs", "b", "t", "hq", "hkv", "d", "cos", "sin", "cs_dtype",
                        "cos_stride", "sin_stride", "pos", "pos_dev", "max_pos", "kd", "kscale", "vd", "vscale", "kds",
                        "kss", "vds", "vss", "k_bits", "v_bits", "q_out", "device", "stream"),
@@ -217,10 +217,12 @@ class CudaKernels:
         return y
 
     def kvq_decode_attention(self, q: torch.Tensor, k_cache: Any, v_cache: Any, seq_len: int,
-                             pos: Optional[torch.Tensor], scale: float) -> Optional[torch.Tensor]:
+                             pos: Optional[torch.Tensor], scale: float, window: Optional[int] = None,
+                             softcap: Optional[float] = None) -> Optional[torch.Tensor]:
         """Attention of q [B, Hq, D] (fp16 or fp32) over the first seq_len positions of 8/4-bit caches
-        (ops/kv_quant.QuantizedKV), positions after the device tensor `pos` masked when given; the output in q's
-        dtype. None when the layout does not suit the kernel (the caller falls back to the torch definition)."""
+        (ops/kv_quant.QuantizedKV), positions after the device tensor `pos` masked when given, only the last
+        `window` of the rest with a sliding window, scores soft-capped with `softcap`; the output in q's dtype.
+        None when the layout does not suit the kernel (the caller falls back to the torch definition)."""
         kd, ks, vd, vs = k_cache.data, k_cache.scales, v_cache.data, v_cache.scales
         dev = q.device
         kalign = 8 if k_cache.bits == 8 else 4
@@ -240,7 +242,7 @@ class CudaKernels:
                    vd=vd.data_ptr(), vs=vs.data_ptr(), kds=kd.stride()[:3], kss=ks.stride()[:3],
                    vds=vd.stride()[:3], vss=vs.stride()[:3], k_bits=k_cache.bits, v_bits=v_cache.bits,
                    seq_len=int(seq_len), pos_dev=0 if pos is None else pos.data_ptr(), scale=float(scale),
-                   out=y.data_ptr())
+                   window=int(window or 0), softcap=float(softcap or 0.0), out=y.data_ptr())
         return y
 
     def kvq_rope_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

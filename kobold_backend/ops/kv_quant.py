@@ -253,10 +253,10 @@ def decode_attention_at(q: torch.Tensor, k_cache: Any, v_cache: Any, pos: torch.
 
 def _native_call(q: torch.Tensor, k_cache: Any, v_cache: Any, length: int, pos: Optional[torch.Tensor],
                  scale: float, window: Optional[int], softcap: Optional[float]) -> Optional[torch.Tensor]:
-    """The native kernel's result when one can read these caches directly (both quantized, no window or
-    soft-capping), else None and the reference dequantizes the range. The kernels rotate the query into the
-    cache's Hadamard space and the output back."""
-    if not (window is None and softcap is None and isinstance(k_cache, QuantizedKV)
+    """The native kernel's result when one can read these caches directly (both quantized), else None and the
+    reference dequantizes the range. The kernels rotate the query into the cache's Hadamard space and the output
+    back, and apply the sliding window and soft-capping themselves."""
+    if not (isinstance(k_cache, QuantizedKV)
             and isinstance(v_cache, QuantizedKV) and q.dim() == 3 and q.shape[1] % k_cache.shape[1] == 0
             and k_cache.head_dim == q.shape[2] and k_cache.head_dim <= 256):
         return None
@@ -265,12 +265,12 @@ def _native_call(q: torch.Tensor, k_cache: Any, v_cache: Any, length: int, pos: 
         if kern is None or not hasattr(kern.module, "kvq_decode_attention"):
             return None
         n = length if pos is None else min(int(pos) + 1, length)
-        return kern.kvq_decode_attention(q, k_cache, v_cache, n, scale)
+        return kern.kvq_decode_attention(q, k_cache, v_cache, n, scale, window, softcap)
     if not q.is_cuda:
         return None
     kern = native.cuda_kernels()
     if kern is None or not hasattr(kern.module, "kvq_decode_attention"):
         return None
     x = q if q.dtype in (torch.float16, torch.float32) else q.float()
-    out = kern.kvq_decode_attention(x, k_cache, v_cache, length, pos, scale)
+    out = kern.kvq_decode_attention(x, k_cache, v_cache, length, pos, scale, window, softcap)
     return None if out is None else out.to(q.dtype)
