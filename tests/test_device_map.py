@@ -214,7 +214,8 @@ def test_embeddings_in_ram_free_gpu_memory_for_layers() -> None:
 def test_no_gpu_runs_everything_on_the_cpu() -> None:
     dm = plan_device_map(config_of("7b"), {"cpu": 64}, 2048, cpu_layers="auto")
     assert dm.layer_devices == ["cpu"] * 32 and dm.head_device == "cpu" and dm.uniform
-    assert dm.load_kwargs() == {"device": "cpu", "layer_devices": None, "embed_on_cpu": False, "max_seq_len": 2048}
+    assert dm.load_kwargs() == {"device": "cpu", "layer_devices": None, "embed_on_cpu": False, "max_seq_len": 2048,
+                                "cache_dtype": "fp16"}
 
 
 def test_longer_context_moves_layers_off_the_gpu() -> None:
@@ -233,7 +234,7 @@ def test_describe_lists_each_device() -> None:
     assert f"0-{n_cpu - 1}" in cpu_line and f"{n_cpu}-31 +embed+head" in gpu_line
     free = next(u for u in dm.usage if u.device == "cuda:0").free_bytes
     assert gpu_line.split()[-1] == "GiB" and f"{free / GIB:.2f}" in gpu_line
-    assert "4096-token cache" in text
+    assert "4096-token fp16 cache" in text
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -518,11 +518,11 @@ def test_kernel_objects_compile_once_for_every_python(tmp_path: Path) -> None:
         built.append(build.build_cpu(tmp_path / run / f"_ext_cpu{build.ext_suffix()}", log=log.append,
                                      objects=objects))
         logs.append(log)
-    for kernel in ("ops_cpu.cpp", "ggml_cpu.cpp"):
+    for kernel in ("ops_cpu.cpp", "ggml_cpu.cpp", "kv_quant_cpu.cpp"):
         assert any(f"compile {kernel}" in line for line in logs[0])
         assert not any(kernel in line for line in logs[1])
     assert any("module_cpu.cpp" in line for line in logs[1])
-    assert sorted(p.name.split("-")[0] for p in objects.iterdir()) == ["ggml_cpu", "ops_cpu"]
+    assert sorted(p.name.split("-")[0] for p in objects.iterdir()) == ["ggml_cpu", "kv_quant_cpu", "ops_cpu"]
     assert built[0].read_bytes() == built[1].read_bytes()
 
 

@@ -12,6 +12,7 @@
 namespace py = pybind11;
 using kb::cpu::AttnArgs;
 using kb::cpu::GemvArgs;
+using kb::cpu::KvqAttnArgs;
 using kb::cpu::RopeArgs;
 
 namespace {
@@ -121,6 +122,23 @@ PYBIND11_MODULE(_ext_cpu, m) {
                        seq_len, scale, ptr<void>(out), threads};
             py::gil_scoped_release release;
             kb::cpu::decode_attention(a);
+        });
+
+    m.def(
+        "kvq_decode_attention",
+        [](std::uintptr_t q, int64_t q_sb, int64_t q_sh, int64_t b, int64_t hq, int64_t hkv, int64_t d,
+           std::uintptr_t kd, std::uintptr_t ks, std::uintptr_t vd, std::uintptr_t vs, py::tuple kds, py::tuple kss,
+           py::tuple vds, py::tuple vss, int k_bits, int v_bits, int64_t seq_len, float scale, int64_t window,
+           float softcap, std::uintptr_t out, int threads) {
+            KvqAttnArgs a{ptr<const void>(q), q_sb, q_sh, b, hq, hkv, d, ptr<const void>(kd), ptr<const void>(ks),
+                          ptr<const void>(vd), ptr<const void>(vs),
+                          kds[0].cast<int64_t>(), kds[1].cast<int64_t>(), kds[2].cast<int64_t>(),
+                          kss[0].cast<int64_t>(), kss[1].cast<int64_t>(), kss[2].cast<int64_t>(),
+                          vds[0].cast<int64_t>(), vds[1].cast<int64_t>(), vds[2].cast<int64_t>(),
+                          vss[0].cast<int64_t>(), vss[1].cast<int64_t>(), vss[2].cast<int64_t>(),
+                          k_bits, v_bits, seq_len, scale, window, softcap, ptr<void>(out), threads};
+            py::gil_scoped_release release;
+            kb::cpu::kvq_decode_attention(a);
         });
 
     m.def(

@@ -15,7 +15,7 @@ import platform
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 
@@ -57,7 +57,35 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="tokens drafted per round for --speculative (default 4)")
     p.add_argument("--quick", action="store_true", help="short runs (for tests and tiny models)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE ('-' for stdout)")
+    p.add_argument("--cache-dtype", default="fp16", type=cache_dtype_list, metavar="fp16|q8|q4|k8v4[,...]",
+                   help="KV cache storage (docs/kv-cache.md); with --perplexity a comma-separated list to compare")
+    p.add_argument("--contexts", default=None, type=context_list, metavar="N,N",
+                   help="decode contexts to time (default 128,4000); the cache holds the longest plus 608")
+    p.add_argument("--perplexity", metavar="FILE", type=existing_path,
+                   help="instead of timing: the perplexity of --model on this text file with each --cache-dtype")
     return p
+
+
+def cache_dtype_list(text: str) -> List[str]:
+    """--cache-dtype: one or more of engine/cache.py's CACHE_DTYPES, comma-separated."""
+    from kobold_backend.engine.cache import CACHE_DTYPES
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in CACHE_DTYPES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: use one or more of {', '.join(CACHE_DTYPES)}")
+    return names
+
+
+def context_list(text: str) -> List[int]:
+    """--contexts: positive token counts, comma-separated."""
+    try:
+        values = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use token counts such as 4000,16000") from None
+    if not values or min(values) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: every context must be at least 2 tokens")
+    return values
 
 
 def environment() -> Dict[str, Any]:
@@ -114,6 +142,13 @@ def _speculation(args: argparse.Namespace, path: str, tmp: Path, quick: bool) ->
 def run_bench(args: argparse.Namespace) -> int:
     from kobold_backend.bench.engine_bench import bench_engine
 
+    if args.perplexity:
+        from kobold_backend.bench.perplexity import run_perplexity
+
+        return run_perplexity(args)
+    if len(args.cache_dtype) != 1:
+        log.error("--cache-dtype takes one value when timing (a list only with --perplexity)")
+        return 2
     if args.format == "gguf":
         _check_gguf_flags(args)
     quick = args.quick or args.preset.startswith("tiny")
@@ -133,12 +168,15 @@ def run_bench(args: argparse.Namespace) -> int:
                                             args.act_order, device="cpu" if args.device == "cpu" else None))
         shape = dict(prompt_lengths=(16, 64), contexts=(16, 100), decode_steps=8, chat_context=100, chat_new=10,
                      max_seq_len=256) if quick else {}
+        if args.contexts:
+            shape.update(contexts=tuple(args.contexts), max_seq_len=max(args.contexts) + 608)
         log.info("measuring kobold-backend")
         result: Dict[str, Any] = {"environment": environment(), "preset": None if args.model else args.preset,
                                   "act_order": args.act_order, "model": args.model,
                                   "format": None if args.model else args.format,
+                                  "cache_dtype": args.cache_dtype[0],
                                   "kobold_backend": bench_engine(path, args.device, use_graphs=not args.no_graphs,
-                                                                 **shape)}
+                                                                 cache_dtype=args.cache_dtype[0], **shape)}
         if args.compare:
             from kobold_backend.bench.compare import bench_exllamav2, bench_transformers
 
@@ -205,6 +243,7 @@ def format_table(result: Dict[str, Any]) -> str:
             lines.append(f"{'':15s} chat turn TTFT {ct['ttft_s'] * 1e3:.1f} ms vs full prefill "
                          f"{ct['full_prefill_s'] * 1e3:.1f} ms")
     kb = result["kobold_backend"]
+    lines.append(f"KV cache {kb.get('cache_dtype', 'fp16')}: {kb['cache_bytes'] / 2**20:,.1f} MiB")
     bandwidth = kb["copy_bandwidth_bytes_per_s"] / 1e12
     lines.append(f"roofline {kb['roofline_tokens_per_s']:,.0f} tok/s at {bandwidth:.2f} TB/s copy bandwidth")
     for other, ratios in result.get("ratios", {}).items():

@@ -34,6 +34,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compress-pos-emb", type=float_in(0, above=True), default=1.0,
                         help="linear RoPE compression factor")
     parser.add_argument("--embed-on-cpu", action="store_true", help="keep the embedding table in system RAM")
+    parser.add_argument("--cache-dtype", choices=("fp16", "q8", "q4", "k8v4"), default="fp16",
+                        help="KV cache storage: fp16 (the compute dtype), q8 or q4 (8- or 4-bit groups of 32 with "
+                             "fp16 scales, about 53 %% / 28 %% of fp16 at head size 128), k8v4 (8-bit keys, 4-bit "
+                             "values); see docs/kv-cache.md")
     parser.add_argument("--speculative", choices=("off", "ngram", "draft"), default=None,
                         help="speculative decoding: ngram (prompt lookup, no second model) or draft (needs "
                              "--draft-model, which implies it); default off")
@@ -64,6 +68,7 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
         embed_on_cpu=args.embed_on_cpu,
         rope_alpha=args.rope_alpha,
         compress_pos_emb=args.compress_pos_emb,
+        cache_dtype=args.cache_dtype,
         progress=stderr_progress("loading"),
         **speculation_kwargs(args),
     )

@@ -102,7 +102,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         load_kwargs = {"device": args.device, "dtype": args.dtype, "max_seq_len": args.max_context,
                        "embed_on_cpu": args.embed_on_cpu, "rope_alpha": args.rope_alpha,
-                       "compress_pos_emb": args.compress_pos_emb, **speculation_kwargs(args)}
+                       "compress_pos_emb": args.compress_pos_emb, **speculation_kwargs(args),
+                       "cache_dtype": args.cache_dtype}
         holder = EngineHolder(load_kwargs={k: v for k, v in load_kwargs.items() if v is not None})
         path = args.model
         if path is None:

@@ -12,6 +12,7 @@ import torch
 
 from kobold_backend.engine.architectures import RopeSpec
 from kobold_backend.engine.awq import load_awq_linear
+from kobold_backend.engine.cache import cache_bytes_per_token, cache_schemes, check_cache_dtype
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.drafters import check_draft_tokenizer
 from kobold_backend.engine.exl2 import is_exl2_linear, load_exl2_linear, with_exl2_detected
@@ -101,6 +102,7 @@ def load_model(
     layer_devices: Optional[Sequence[str]] = None,
     progress: Optional[Progress] = None,
     with_tokenizer: bool = True,
+    cache_dtype: str = "fp16",
     speculative: str = "off",
     draft_model: Optional[Union[str, Path]] = None,
     draft_tokens: int = 0,
@@ -108,7 +110,8 @@ def load_model(
     """Load a checkpoint of a registered architecture from a folder (dense or GPTQ 4-bit) or a GGUF file.
 
     `layer_devices` places each decoder layer (one entry per layer); otherwise all go to `device`.
-    `with_tokenizer=False` skips the tokenizer (benchmarks on synthetic checkpoints).
+    `with_tokenizer=False` skips the tokenizer (benchmarks on synthetic checkpoints). `cache_dtype` is the KV
+    cache's storage (engine/cache.py CACHE_DTYPES: fp16 = the layers' dtype, q8, q4, k8v4).
     `speculative` ("off", "ngram", "draft") with `draft_model` and `draft_tokens`: see engine/speculative.py; the
     draft model (ignored when off) goes on the head's device with the target's dtype and context, and must share
     the tokenizer.
@@ -117,6 +120,7 @@ def load_model(
 
     check_speculation(speculative, draft_model, draft_tokens)
     folder = Path(path)
+    cache_schemes(cache_dtype)
     reader: Union[WeightReader, GGUFWeights]
     if folder.suffix == ".gguf" and folder.is_file():
         config, tokenizer, reader = open_gguf(folder, with_tokenizer)
@@ -137,13 +141,14 @@ def load_model(
         if seq_len < 1:
             raise ValueError(f"max_seq_len must be at least 1, not {seq_len}")
         check_against_headers(config, reader)
+        check_cache_dtype(cache_dtype, config.head_dim)
         per_layer = [resolve_device(d) for d in layer_devices] if layer_devices else [main] * config.num_layers
-        check_cache_memory(config, per_layer, compute_dtype, seq_len)
+        check_cache_memory(config, per_layer, compute_dtype, seq_len, cache_dtype)
         model = _build(reader, config, main, per_layer, compute_dtype, seq_len, embed_on_cpu,
-                       rope_alpha, compress_pos_emb, progress)
+                       rope_alpha, compress_pos_emb, progress, cache_dtype)
     fmt = describe(config, model.layers)
-    log.info("loaded %s (%s, %s): %d layers, %.1f MB of weights on %s", folder.name, config.architecture, fmt,
-             config.num_layers, model.nbytes / 1e6, main)
+    log.info("loaded %s (%s, %s): %d layers, %.1f MB of weights on %s, %s KV cache", folder.name,
+             config.architecture, fmt, config.num_layers, model.nbytes / 1e6, main, cache_dtype)
     lm = LoadedModel(model=model, tokenizer=tokenizer,  # type: ignore[arg-type]
                      config=config, path=folder, name=folder.name, weight_format=fmt)
     if speculative != "off":
@@ -221,12 +226,13 @@ def _available_bytes(device: torch.device) -> Optional[int]:
 
 
 def check_cache_memory(config: ModelConfig, per_layer: Sequence[torch.device], dtype: torch.dtype,
-                       seq_len: int) -> None:
+                       seq_len: int, cache_dtype: str = "fp16") -> None:
     """Refuse a context whose KV cache alone is larger than the free memory of a device it would go on."""
     need: Dict[torch.device, int] = {}
     for dev in per_layer:
         size = torch.tensor([], dtype=_dtype_for(dev, dtype)).element_size()
-        need[dev] = need.get(dev, 0) + 2 * config.num_kv_heads * config.head_dim * seq_len * size
+        need[dev] = need.get(dev, 0) + seq_len * cache_bytes_per_token(cache_dtype, config.num_kv_heads,
+                                                                       config.head_dim, size)
     for dev, nbytes in need.items():
         free = _available_bytes(dev)
         if free is not None and nbytes > free:
@@ -327,6 +333,7 @@ def _build(
     rope_alpha: float,
     compress_pos_emb: float,
     progress: Optional[Progress],
+    cache_dtype: str = "fp16",
 ) -> Model:
     h = config.hidden_size
     total = config.num_layers + 2
@@ -368,4 +375,4 @@ def _build(
             tables[key] = cos_sin_tables(config, seq_len, key[0], key[1], rope_alpha, compress_pos_emb, key[2])
         cos.append(tables[key][0])
         sin.append(tables[key][1])
-    return Model(config, embed, layers, norm, lm_head, cos, sin, head_dt, seq_len)
+    return Model(config, embed, layers, norm, lm_head, cos, sin, head_dt, seq_len, cache_dtype)

@@ -167,8 +167,10 @@ class Model:
         sin: List[torch.Tensor],
         dtype: torch.dtype,
         max_seq_len: int,
+        cache_dtype: str = "fp16",
     ) -> None:
         self.config = config
+        self.cache_dtype = cache_dtype  # what new_cache allocates (engine/cache.py CACHE_DTYPES)
         self.features = config.features
         self.embed_tokens = embed_tokens
         self.layers = layers
@@ -188,7 +190,9 @@ class Model:
         # multiplies inside CUDA graphs without a host tensor
         self.embed_scale = None if scale is None else float(torch.tensor(scale, dtype=embed_tokens.dtype))
 
-    def new_cache(self, max_seq_len: Optional[int] = None, batch_size: int = 1) -> KVCache:
+    def new_cache(self, max_seq_len: Optional[int] = None, batch_size: int = 1,
+                  cache_dtype: Optional[str] = None) -> KVCache:
+        """A cache of `max_seq_len` positions (default: the model's), in `cache_dtype` (default: the model's)."""
         n = max_seq_len or self.max_seq_len
         if n > self.max_seq_len:
             raise ValueError(f"a cache of {n} positions exceeds the RoPE tables of {self.max_seq_len}")
@@ -200,6 +204,7 @@ class Model:
             head_dim=self.config.head_dim,
             dtypes=[layer.input_norm.dtype for layer in self.layers],
             devices=[layer.device for layer in self.layers],
+            cache_dtype=cache_dtype or self.cache_dtype,
         )
 
     @torch.inference_mode()
@@ -230,7 +235,10 @@ class Model:
     @torch.inference_mode()
     def shift_cache(self, cache: KVCache, start: int, drop: int) -> None:
         """Remove positions [start, start+drop) from the cache in place: later positions move left by `drop`
-        and their keys are re-rotated by -drop positions, so they read as if computed at their new place."""
+        and their keys are re-rotated by -drop positions, so they read as if computed at their new place.
+
+        A quantized cache (ops/kv_quant.QuantizedKV) moves the values' bytes as they are and re-quantizes the
+        re-rotated keys from their dequantized float32 values (`.float()` / `.copy_` of a float tensor)."""
         end = cache.seq_len
         if drop <= 0 or not 0 <= start < start + drop <= end:
             raise ValueError(f"cannot drop {drop} positions at {start} from a cache of {end}")

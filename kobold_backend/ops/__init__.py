@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import torch
 
-from kobold_backend.ops import ggml, native, reference
+from kobold_backend.ops import ggml, kv_quant, native, reference
 from kobold_backend.ops.exl2_weight import EXL2Weight, exl2_dequantize
-from kobold_backend.ops.reference import attention, linear
+from kobold_backend.ops.kv_quant import QuantizedKV
+from kobold_backend.ops.reference import linear
 
 if TYPE_CHECKING:
     from kobold_backend.ops.ggml import GGMLWeight
@@ -34,6 +35,11 @@ __all__ = [
     "rope_cache_write_at",
     "silu_mul",
 ]
+
+
+def _quantized(k_cache: Any, v_cache: Any) -> bool:
+    """Whether either cache is in the 8/4-bit layout (ops/kv_quant.py reads and writes those)."""
+    return isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV)
 
 
 def _kernels(x: torch.Tensor) -> Any:
@@ -92,6 +98,8 @@ def rope_cache_write(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
 ) -> torch.Tensor:
+    if _quantized(k_cache, v_cache):
+        return kv_quant.rope_cache_write(q, k, v, cos, sin, pos, k_cache, v_cache)
     kern = _kernels(q)
     if kern is None:
         return reference.rope_cache_write(q, k, v, cos, sin, pos, k_cache, v_cache)
@@ -108,6 +116,8 @@ def rope_cache_write_at(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
 ) -> torch.Tensor:
+    if _quantized(k_cache, v_cache):
+        return kv_quant.rope_cache_write_at(q, k, v, cos, sin, pos, k_cache, v_cache)
     kern = _kernels(q)
     if kern is None:
         return reference.rope_cache_write_at(q, k, v, cos, sin, pos, k_cache, v_cache)
@@ -124,6 +134,8 @@ def decode_attention_at(
     window: Optional[int] = None,
     softcap: Optional[float] = None,
 ) -> torch.Tensor:
+    if _quantized(k_cache, v_cache):
+        return kv_quant.decode_attention_at(q, k_cache, v_cache, pos, length, scale, window, softcap)
     k = _kernels(q)
     if k is None or q.is_cuda or window is not None or softcap is not None:
         # On the H200, inside a CUDA graph, torch's batched matmuls beat the native flash-decoding kernel at every
@@ -143,6 +155,8 @@ def decode_attention(
     softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """One query row against cached positions [seq_len - window, seq_len) (all of them without a window)."""
+    if _quantized(k_cache, v_cache):
+        return kv_quant.decode_attention(q, k_cache, v_cache, seq_len, scale, window, softcap)
     k = _kernels(q)
     if k is None or softcap is not None:
         return reference.decode_attention(q, k_cache, v_cache, seq_len, scale, window, softcap)
@@ -151,6 +165,21 @@ def decode_attention(
         start = seq_len - window
         return k.decode_attention(q, k_cache[:, :, start:], v_cache[:, :, start:], window, scale)
     return k.decode_attention(q, k_cache, v_cache, seq_len, scale)
+
+
+def attention(
+    q: torch.Tensor,
+    k_cache: Any,
+    v_cache: Any,
+    pos: int,
+    scale: float,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """Causal attention of a prompt chunk q [B, T, Hq, D] at positions pos.. over the cache (reference.attention)."""
+    if _quantized(k_cache, v_cache):
+        return kv_quant.attention(q, k_cache, v_cache, pos, scale, window, softcap)
+    return reference.attention(q, k_cache, v_cache, pos, scale, window, softcap)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

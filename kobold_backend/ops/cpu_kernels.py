@@ -38,6 +38,8 @@ CPU_SIGNATURES: Dict[str, Tuple[str, ...]] = {
     "ggml_gemv": ("type", "w", "row_bytes", "n", "k", "x", "x_dtype", "x_stride", "rows", "bias", "bias_dtype",
                   "out", "out_dtype", "threads"),
     "ggml_dequantize": ("type", "w", "row_bytes", "n", "k", "out", "out_dtype", "threads"),
+    "kvq_decode_attention": ("q", "q_sb", "q_sh", "b", "hq", "hkv", "d", "kd", "ks", "vd", "vs", "kds", "kss", "vds",
+                             "vss", "k_bits", "v_bits", "seq_len", "scale", "window", "softcap", "out", "threads"),
 }
 
 
@@ -157,6 +159,25 @@ class CpuKernels:
                    v_cache=v_cache.data_ptr(), kcs=k_cache.stride()[:3], vcs=v_cache.stride()[:3],
                    seq_len=int(seq_len), scale=float(scale), out=y.data_ptr())
         return y
+
+    def kvq_decode_attention(self, q: torch.Tensor, k_cache: Any, v_cache: Any, seq_len: int, scale: float,
+                             window: Optional[int] = None, softcap: Optional[float] = None) -> Optional[torch.Tensor]:
+        """Attention of q [B, Hq, D] over the first seq_len positions of 8/4-bit caches (ops/kv_quant.QuantizedKV)
+        (the last `window` of them with a sliding window; scores soft-capped with `softcap`), read in place; the
+        output in q's dtype. None when the layout does not suit the kernel."""
+        kd, ks, vd, vs = k_cache.data, k_cache.scales, v_cache.data, v_cache.scales
+        if (q.dim() != 3 or not q.is_floating_point() or not 1 <= seq_len <= kd.shape[2]
+                or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in (kd, ks, vd, vs))):
+            return None
+        qf = last_contiguous(q.float())
+        b, hq, d = qf.shape
+        y = torch.empty((b, hq, d), dtype=torch.float32)
+        self._call("kvq_decode_attention", q=qf.data_ptr(), q_sb=qf.stride(0), q_sh=qf.stride(1), b=b, hq=hq,
+                   hkv=kd.shape[1], d=d, kd=kd.data_ptr(), ks=ks.data_ptr(), vd=vd.data_ptr(), vs=vs.data_ptr(),
+                   kds=kd.stride()[:3], kss=ks.stride()[:3], vds=vd.stride()[:3], vss=vs.stride()[:3],
+                   k_bits=k_cache.bits, v_bits=v_cache.bits, seq_len=int(seq_len), scale=float(scale),
+                   window=int(window or 0), softcap=float(softcap or 0.0), out=y.data_ptr())
+        return y.to(q.dtype)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if gate.dtype not in DTYPE_CODES or up.dtype != gate.dtype or up.shape != gate.shape:
