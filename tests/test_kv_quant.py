@@ -392,7 +392,7 @@ def test_load_model_takes_the_cache_dtype(demo) -> None:
 
 def test_cli_and_bench_flags(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from kobold_backend.bench import add_bench_parser, run_bench
-    from kobold_backend.cli import add_model_arguments
+    from kobold_backend.cli.model_args import add_model_arguments
 
     parser = argparse.ArgumentParser()
     add_model_arguments(parser)
