@@ -74,8 +74,8 @@ def hand_cache_bytes(shape: str, tokens: int, elem: int = 2) -> int:
 # Byte counts.
 
 
-@pytest.mark.parametrize("name", ["dense_fp16", "dense_fp32", "gqa", "mistral", "gptq_act_order", "gptq_g-1",
-                                  "gptq_v1_asym_g32"])
+@pytest.mark.parametrize("name", ["dense_fp16", "dense_fp32", "gqa", "mistral", "gptq_act_order", "gptq8_act_order",
+                                  "gptq_g-1", "gptq_v1_asym_g32"])
 def test_planned_bytes_equal_the_loaded_model(name: str, checkpoints: CheckpointFactory) -> None:
     """On the CPU (float32), the plan's weight and cache bytes are exactly what load_model allocates."""
     built = checkpoints.get(name)
@@ -90,6 +90,8 @@ def test_planned_bytes_equal_the_loaded_model(name: str, checkpoints: Checkpoint
         # q/k/v and gate/up may be fused into one wide weight at load: count whatever the layer holds.
         actual = sum(_nbytes(getattr(layer, p)) for p in layer.PROJECTIONS if getattr(layer, p) is not None)
         actual += _nbytes(layer.input_norm) + _nbytes(layer.post_norm)
+        if layer.mlp_perm is not None:  # down_proj's act-order permutation, folded into gate/up (mlp_fold.py)
+            actual += _nbytes(layer.mlp_perm)
         assert sizes.layer(i, 4) == actual
     assert sizes.rope(4) == _nbytes(lm.model.cos[0]) + _nbytes(lm.model.sin[0])
 

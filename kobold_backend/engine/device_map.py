@@ -87,7 +87,8 @@ class Sizes:
 
     The in-memory layout is counted, not the file: dense weights and GPTQ scales in the compute dtype (float32
     on the CPU), qweight int32 (4 bits per weight), GPTQ zeros unpacked to [groups, N] in the compute dtype,
-    an int64 row permutation per act-order linear, g_idx dropped.
+    an int64 row permutation per act-order linear, g_idx dropped (a down_proj's moves to its layer as `mlp_perm`
+    when engine/mlp_fold.py folds it into gate/up: the same bytes).
     """
 
     def __init__(self, config: ModelConfig, shapes: Shapes, max_seq_len: int, batch_size: int = 1,
@@ -120,7 +121,8 @@ class Sizes:
         total = k8 * n * 4 + 2 * groups * n * elem  # qweight, scales, unpacked zeros
         assert self.config.quant is not None
         if self.config.quant.desc_act and f"{prefix}.g_idx" in self.shapes:
-            total += k8 * 8 * 8  # int64 row permutation
+            # int64 row permutation, one per in_features (qweight packs 8 or 4 rows per word: count g_idx)
+            total += _numel(self._shape(f"{prefix}.g_idx")) * 8
         return total + extra
 
     def _exl2(self, prefix: str) -> int:

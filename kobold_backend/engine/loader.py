@@ -19,6 +19,7 @@ from kobold_backend.engine.exl2 import is_exl2_linear, load_exl2_linear, with_ex
 from kobold_backend.engine.gguf.checkpoint import open_gguf
 from kobold_backend.engine.gguf.weights import GGUFWeights
 from kobold_backend.engine.gptq import load_gptq_linear
+from kobold_backend.engine.mlp_fold import fold_down_permutation
 from kobold_backend.engine.model import Layer, Model, Weight
 from kobold_backend.engine.rope import cos_sin_tables
 from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
@@ -318,6 +319,7 @@ def _load_layer(ctx: LayerLoader, index: int) -> Layer:
         gate_up_proj=weights.get("gate_up_proj"), device=ctx.device, out_features=out_features,
         biases=biases, mlp=arch.build_mlp(ctx, config, index), **norms,
     )
+    fold_down_permutation(layer)
     layer.fuse()
     return layer
 

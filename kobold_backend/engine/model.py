@@ -73,6 +73,8 @@ class Layer:
     `q_norm`/`k_norm` (per-head RMSNorm weights [head_dim]), `attn_out_norm`/`mlp_out_norm` (norms on the attention
     and MLP outputs before the residual add), `biases` (dense projections' biases by projection name; GPTQ layers
     keep theirs), and `mlp`, a routed MLP object called as `mlp(x, index, passthrough)` instead of gate/up/down.
+    `mlp_perm` is set when an act-order down_proj's input permutation was folded into gate/up's outputs
+    (engine/mlp_fold.py): the intermediate is stored in that order, feature j being the checkpoint's mlp_perm[j].
     """
 
     input_norm: torch.Tensor
@@ -94,13 +96,15 @@ class Layer:
     mlp_out_norm: Optional[torch.Tensor] = None
     biases: Dict[str, torch.Tensor] = field(default_factory=dict)
     mlp: Optional[Any] = None
+    mlp_perm: Optional[torch.Tensor] = None
 
     PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "qkv_proj", "gate_up_proj")
     NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
 
     def weight(self, name: str) -> Weight:
-        """The weight of one projection (a copy of its columns of the fused weight when it was fused)."""
+        """The weight of one projection (a copy of its columns of the fused weight when it was fused), as
+        stored: with `mlp_perm` set, gate/up outputs and down inputs are in that order."""
         own = getattr(self, name)
         if own is not None:
             return own
@@ -149,6 +153,8 @@ class Layer:
             if getattr(self, name) is not None:
                 yield getattr(self, name)
         yield from self.biases.values()
+        if self.mlp_perm is not None:
+            yield self.mlp_perm
         if self.mlp is not None:
             yield from self.mlp.tensors()
 
@@ -329,7 +335,7 @@ class Model:
               passthrough: Optional[ForwardHooks]) -> torch.Tensor:
         y = project(x, getattr(layer, name), layer.biases.get(name))
         if passthrough is not None:
-            delta = passthrough.linear_delta(index, name, x)
+            delta = Model._delta(index, layer, name, x, passthrough)
             if delta is not None:
                 y = y + delta.to(y.dtype)
         return y
@@ -351,10 +357,23 @@ class Model:
         outs = list(project(x, weight, layer.biases.get(fused)).split(list(sizes), dim=-1))
         if passthrough is not None:
             for i, name in enumerate(names):
-                delta = passthrough.linear_delta(index, name, x)
+                delta = Model._delta(index, layer, name, x, passthrough)
                 if delta is not None:
                     outs[i] = outs[i] + delta.to(outs[i].dtype)
         return outs
+
+    @staticmethod
+    def _delta(index: int, layer: Layer, name: str, x: torch.Tensor,
+               passthrough: ForwardHooks) -> Optional[torch.Tensor]:
+        """A passthrough's delta for projection `name`; deltas address the MLP intermediate in checkpoint order,
+        so with `layer.mlp_perm` down's input is put back in that order and gate/up's deltas are permuted."""
+        perm = layer.mlp_perm
+        if perm is None or name not in ("gate_proj", "up_proj", "down_proj"):
+            return passthrough.linear_delta(index, name, x)
+        if name == "down_proj":
+            return passthrough.linear_delta(index, name, torch.empty_like(x).index_copy_(x.dim() - 1, perm, x))
+        delta = passthrough.linear_delta(index, name, x)
+        return None if delta is None else delta.index_select(-1, perm)
 
     @property
     def nbytes(self) -> int:
