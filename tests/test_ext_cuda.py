@@ -76,13 +76,14 @@ WHOLE_K_CASES = [
 
 
 @pytest.mark.parametrize("k,n,gs,act,m,bias,pad", WHOLE_K_CASES)
-@pytest.mark.parametrize("variant", ["split-K", "whole-K", "whole-K-512"])
+@pytest.mark.parametrize("variant", ["split-K", "whole-K", "whole-K-512", "whole-K-lean"])
 def test_gptq_gemv_each_kernel(kernels: native.CudaKernels, k: int, n: int, gs: int, act: bool, m: int, bias: bool,
                                pad: int, variant: str) -> None:
     """Each GEMV kernel forced on the same inputs: each matches the oracle, and repeats bit for bit."""
-    from kobold_backend.ops.cuda_kernels import GEMV_SPLIT_K, GEMV_WHOLE_K, GEMV_WHOLE_K_512
+    from kobold_backend.ops.cuda_kernels import GEMV_SPLIT_K, GEMV_WHOLE_K, GEMV_WHOLE_K_512, GEMV_WHOLE_K_LEAN
 
-    code = {"split-K": GEMV_SPLIT_K, "whole-K": GEMV_WHOLE_K, "whole-K-512": GEMV_WHOLE_K_512}[variant]
+    code = {"split-K": GEMV_SPLIT_K, "whole-K": GEMV_WHOLE_K, "whole-K-512": GEMV_WHOLE_K_512,
+            "whole-K-lean": GEMV_WHOLE_K_LEAN}[variant]
     w = make_gptq(k, n, gs, act_order=act, dtype=F16, bias=bias, device="cuda", seed=k + n + m + pad)
     x = random((m, k + pad), F16, seed=m, device="cuda")[:, :k]
     if code == GEMV_WHOLE_K_512 and m > 2:
@@ -94,14 +95,33 @@ def test_gptq_gemv_each_kernel(kernels: native.CudaKernels, k: int, n: int, gs: 
     assert torch.equal(y, kernels.gptq_matmul(x, w, out=poisoned((m, n), F16, "cuda"), variant=code))
 
 
-def test_gptq_gemv_whole_k_refuses_small_groups(kernels: native.CudaKernels) -> None:
+@pytest.mark.parametrize("lean", [False, True])
+def test_gptq_gemv_whole_k_refuses_small_groups(kernels: native.CudaKernels, lean: bool) -> None:
     """A batch of 8 packed rows must lie in one group: group size 32 is refused, not computed wrong."""
-    from kobold_backend.ops.cuda_kernels import GEMV_WHOLE_K
+    from kobold_backend.ops.cuda_kernels import GEMV_WHOLE_K, GEMV_WHOLE_K_LEAN
 
     w = make_gptq(4096, 4096, 32, dtype=F16, device="cuda", seed=3)
     x = random((1, 4096), F16, seed=3, device="cuda")
     with pytest.raises(ValueError, match="whole-K"):
-        kernels.gptq_matmul(x, w, variant=GEMV_WHOLE_K)
+        kernels.gptq_matmul(x, w, variant=GEMV_WHOLE_K_LEAN if lean else GEMV_WHOLE_K)
+
+
+@pytest.mark.parametrize("k,n,act,m", [(4096, 4096, False, 1), (11008, 4096, True, 2), (4096, 12288, False, 8)])
+def test_gptq_gemv_lean_large_inputs(kernels: native.CudaKernels, k: int, n: int, act: bool, m: int) -> None:
+    """The lean kernel sums (q - zero) * x in fp16 before applying the scale, so those sums are ~1/scale larger
+    than the other kernels' sums: with inputs up to ~2000 they overflow fp16 unless x is staged divided by a
+    power of two, which the kernel does per block from max |x|. The first row keeps small inputs, so one block
+    holds rows of very different sizes."""
+    from kobold_backend.ops.cuda_kernels import GEMV_WHOLE_K_LEAN
+
+    w = make_gptq(k, n, 128, act_order=act, dtype=F16, device="cuda", seed=k + m)
+    x = random((m, k), F16, seed=m, scale=500.0, device="cuda")
+    x[0] = random((k,), F16, seed=m + 1, device="cuda")
+    assert float(x.abs().max()) > 1500.0
+    y = kernels.gptq_matmul(x, w, out=poisoned((m, n), F16, "cuda"), variant=GEMV_WHOLE_K_LEAN)
+    want = gptq_oracle(x, w)
+    for i in range(m):  # each row against its own scale: a row of small inputs must not lose them
+        assert_close_rel(y[i:i + 1], want[i:i + 1], TOL, f"lean {k}x{n} act={act} m={m} row {i}")
 
 
 @pytest.mark.parametrize("m,n,gs", [(9, 4096, 128), (64, 4096, 128), (1, 6, 8), (3, 64, 20)])
