@@ -250,6 +250,10 @@ void gptq_gemv(const GemvArgs& a) {
         return;
     }
     const int variant = a.variant != 0 ? a.variant : choose_gemv(a, sm_count(a.device));
+    if (variant == 4) {
+        gptq_gemv_lean(a);
+        return;
+    }
     if (variant >= 2) {
         gptq_gemv_wide(a, variant == 2 ? 256 : 512);
         return;
