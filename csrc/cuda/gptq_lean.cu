@@ -43,14 +43,25 @@ struct Batch {
     uint2 s, z;
 };
 
-__device__ __forceinline__ void load_batch(const uint4* __restrict__ qp, int64_t n4, int rb, int rows,
+// One 64-bit address per batch, 32-bit row offsets (a row is n4 < 2^26 uint4: N < 2^28 is checked). The
+// group index is rb / (group_size / 64) computed as floor((rb + 0.5) * inv_bpg) in fp32: the quotient is then at
+// least 0.5 / bpg from an integer, and the float error (< 2^-23 * rb / bpg, rb < 2^13 since x fits in shared
+// memory) is smaller, so the result is exact; a division costs ~15 instructions per batch (nvcc keeps it in the
+// loop).
+__device__ __forceinline__ void load_batch(const uint4* __restrict__ qp, int n4, int rb, int rows,
                                            const half* __restrict__ scales, const half* __restrict__ zeros,
-                                           int64_t n, int col, int group_size, Batch& b) {
+                                           int64_t n, int col, float inv_bpg, Batch& b) {
     const int r0 = rb * kBatch;
-    // Rows past the last packed row re-read it (no zeroing, no predicate): x is staged as zero there.
+    const uint4* p = qp + static_cast<int64_t>(r0) * n4;
+    if (r0 + kBatch <= rows) {
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) b.w[u] = __ldg(qp + static_cast<int64_t>(min(r0 + u, rows - 1)) * n4);
-    const int64_t g = static_cast<unsigned>(8 * r0) / static_cast<unsigned>(group_size);  // 8 * r0 < 2^31
+        for (int u = 0; u < kBatch; ++u) b.w[u] = __ldg(p + u * n4);
+    } else {  // rows past the last packed row re-read it (no zeroing): x is staged as zero there
+        const int last = rows - 1 - r0;
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) b.w[u] = __ldg(p + min(u, last) * n4);
+    }
+    const int64_t g = __float2int_rz((static_cast<float>(rb) + 0.5f) * inv_bpg);
     b.s = __ldg(reinterpret_cast<const uint2*>(scales + g * n + col));
     b.z = __ldg(reinterpret_cast<const uint2*>(zeros + g * n + col));
 }
@@ -143,15 +154,16 @@ __global__ void __launch_bounds__(kThreads, M <= 2 ? 2 : 1) gemv_lean_kernel(
     const int slot = warp * (32 / kLanesPerRow) + lane / kLanesPerRow;
     const int col = blockIdx.x * kTileCols + lg * 4;
     const bool active = col < n;  // n % 4 == 0: a lane's 4 columns are all in or all out
-    const int64_t n4 = n / 4;
+    const int n4 = n / 4;
     const uint4* qp = qw4 + (active ? col / 4 : 0);
+    const float inv_bpg = 1.0f / static_cast<float>(group_size / (8 * kBatch));
 
     // Two batches in flight, in two buffers used in turn (a copy from one to the other costs 36 moves a batch).
     Batch b0, b1;
     int rb = slot;
-    if (active && rb < row_blocks) load_batch(qp, n4, rb, rows, scales, zeros, n, col, group_size, b0);
+    if (active && rb < row_blocks) load_batch(qp, n4, rb, rows, scales, zeros, n, col, inv_bpg, b0);
     if (active && rb + kSlots < row_blocks)
-        load_batch(qp, n4, rb + kSlots, rows, scales, zeros, n, col, group_size, b1);
+        load_batch(qp, n4, rb + kSlots, rows, scales, zeros, n, col, inv_bpg, b1);
 
     // Stage x[:, perm[8r + j]] as half2 pairs (j, j + 4) per packed row r (inputs past K are zero, to the end of
     // the last batch); thread t stages the rows t, t + 256, ... and keeps max |x| over them.
@@ -223,12 +235,12 @@ __global__ void __launch_bounds__(kThreads, M <= 2 ? 2 : 1) gemv_lean_kernel(
         while (rb < row_blocks) {
             consume<M>(b0, xs, xrows, rb, pow2e, acc);
             if (rb + 2 * kSlots < row_blocks)
-                load_batch(qp, n4, rb + 2 * kSlots, rows, scales, zeros, n, col, group_size, b0);
+                load_batch(qp, n4, rb + 2 * kSlots, rows, scales, zeros, n, col, inv_bpg, b0);
             rb += kSlots;
             if (rb >= row_blocks) break;
             consume<M>(b1, xs, xrows, rb, pow2e, acc);
             if (rb + 2 * kSlots < row_blocks)
-                load_batch(qp, n4, rb + 2 * kSlots, rows, scales, zeros, n, col, group_size, b1);
+                load_batch(qp, n4, rb + 2 * kSlots, rows, scales, zeros, n, col, inv_bpg, b1);
             rb += kSlots;
         }
     }
@@ -286,6 +298,7 @@ void launch_lean(const GemvArgs& a) {
 
 void gptq_gemv_lean(const GemvArgs& a) {
     require(gptq_gemv_wide_fits(a, kThreads), "gptq_gemv_lean: shape outside the whole-K kernel's range");
+    require(a.n < (1LL << 28), "gptq_gemv_lean: N must be below 2^28 (32-bit row offsets)");
     switch (a.m) {
         case 1: launch_lean<1>(a); break;
         case 2: launch_lean<2>(a); break;
