@@ -15,6 +15,10 @@
 // 2^e chosen per block from max |x| (e = 0 unless max |x| > 128; the scale is multiplied by 2^e instead):
 // |partial sum| <= 16 products x 16 x 128 = 32768 < 65504 whatever x holds. gptq.cu's gptq_gemv selects this
 // kernel only when forced (variant 4); it takes the shapes gptq_gemv_wide_fits(a, 256) accepts.
+// Variant 5 is the same kernel launched with programmatic dependent launch (sm_90+): it lets the next kernel
+// launch as soon as all its blocks have started, and waits for the previous kernel's writes only after its own
+// first weight loads are issued (weights, scales and zeros are never written by a preceding kernel; x is), so
+// one GEMV's weight reads overlap the previous kernel's tail.
 #include "kb_cuda.cuh"
 #include "ops_cuda.h"
 
@@ -141,7 +145,7 @@ template <int M>
 __global__ void __launch_bounds__(kThreads, M <= 2 ? 2 : 1) gemv_lean_kernel(
     const half* __restrict__ x, int64_t x_stride, const int64_t* __restrict__ perm, const uint4* __restrict__ qw4,
     const half* __restrict__ scales, const half* __restrict__ zeros, const half* __restrict__ bias,
-    half* __restrict__ out, int k, int n, int group_size, bool vec_x) {
+    half* __restrict__ out, int k, int n, int group_size, bool vec_x, bool pdl) {
     extern __shared__ uint4 xs[];
     __shared__ float red[kWarps][M][kTileCols];
     __shared__ float warp_max[kWarps];
@@ -164,6 +168,12 @@ __global__ void __launch_bounds__(kThreads, M <= 2 ? 2 : 1) gemv_lean_kernel(
     if (active && rb < row_blocks) load_batch(qp, n4, rb, rows, scales, zeros, n, col, inv_bpg, b0);
     if (active && rb + kSlots < row_blocks)
         load_batch(qp, n4, rb + kSlots, rows, scales, zeros, n, col, inv_bpg, b1);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (pdl) {
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+        asm volatile("griddepcontrol.wait;" ::: "memory");  // x (and out) only after the previous kernel is done
+    }
+#endif
 
     // Stage x[:, perm[8r + j]] as half2 pairs (j, j + 4) per packed row r (inputs past K are zero, to the end of
     // the last batch); thread t stages the rows t, t + 256, ... and keeps max |x| over them.
@@ -276,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, M <= 2 ? 2 : 1) gemv_lean_kernel(
 }
 
 template <int M>
-void launch_lean(const GemvArgs& a) {
+void launch_lean(const GemvArgs& a, bool pdl) {
     const int64_t staged = (a.k + 8 * kBatch - 1) / (8 * kBatch) * kBatch;
     const size_t smem = static_cast<size_t>(M) * padded_rows(staged) * sizeof(uint4);
     auto kernel = gemv_lean_kernel<M>;
@@ -286,28 +296,52 @@ void launch_lean(const GemvArgs& a) {
     const unsigned tiles = static_cast<unsigned>((a.n + kTileCols - 1) / kTileCols);
     // x read as 16-byte rows of 8 inputs: no permutation, K % 8 == 0 and every row 16-byte aligned
     const bool vec_x = a.perm == nullptr && a.k % 8 == 0 && a.x_stride % 8 == 0 && aligned(a.x, 16);
-    kernel<<<tiles, kThreads, smem, as_stream(a.stream)>>>(
-        static_cast<const half*>(a.x), a.x_stride, a.perm, reinterpret_cast<const uint4*>(a.qweight),
-        static_cast<const half*>(a.scales), static_cast<const half*>(a.zeros), static_cast<const half*>(a.bias),
-        static_cast<half*>(a.out), static_cast<int>(a.k), static_cast<int>(a.n), static_cast<int>(a.group_size),
-        vec_x);
-    KB_CHECK_LAUNCH();
+    const half* x = static_cast<const half*>(a.x);
+    const uint4* qw = reinterpret_cast<const uint4*>(a.qweight);
+    const half* scales = static_cast<const half*>(a.scales);
+    const half* zeros = static_cast<const half*>(a.zeros);
+    const half* bias = static_cast<const half*>(a.bias);
+    half* out = static_cast<half*>(a.out);
+    const int k = static_cast<int>(a.k), n = static_cast<int>(a.n), gs = static_cast<int>(a.group_size);
+    if (!pdl) {
+        kernel<<<tiles, kThreads, smem, as_stream(a.stream)>>>(x, a.x_stride, a.perm, qw, scales, zeros, bias, out, k,
+                                                                n, gs, vec_x, false);
+        KB_CHECK_LAUNCH();
+        return;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(tiles);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = as_stream(a.stream);
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    KB_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, x, a.x_stride, a.perm, qw, scales, zeros, bias, out, k, n, gs,
+                                     vec_x, true));
 }
 
 }  // namespace
 
-void gptq_gemv_lean(const GemvArgs& a) {
+void gptq_gemv_lean(const GemvArgs& a, bool pdl) {
     require(gptq_gemv_wide_fits(a, kThreads), "gptq_gemv_lean: shape outside the whole-K kernel's range");
     require(a.n < (1LL << 28), "gptq_gemv_lean: N must be below 2^28 (32-bit row offsets)");
+    if (pdl) {  // programmatic dependent launch needs sm_90; elsewhere the plain launch
+        int major = 0;
+        KB_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a.device));
+        pdl = major >= 9;
+    }
     switch (a.m) {
-        case 1: launch_lean<1>(a); break;
-        case 2: launch_lean<2>(a); break;
-        case 3: launch_lean<3>(a); break;
-        case 4: launch_lean<4>(a); break;
-        case 5: launch_lean<5>(a); break;
-        case 6: launch_lean<6>(a); break;
-        case 7: launch_lean<7>(a); break;
-        default: launch_lean<8>(a); break;
+        case 1: launch_lean<1>(a, pdl); break;
+        case 2: launch_lean<2>(a, pdl); break;
+        case 3: launch_lean<3>(a, pdl); break;
+        case 4: launch_lean<4>(a, pdl); break;
+        case 5: launch_lean<5>(a, pdl); break;
+        case 6: launch_lean<6>(a, pdl); break;
+        case 7: launch_lean<7>(a, pdl); break;
+        default: launch_lean<8>(a, pdl); break;
     }
 }
 
