@@ -45,12 +45,15 @@ struct GemvArgs {
     Workspace ws;
     int device;
     std::uintptr_t stream;
-    int variant;  // 0: chosen by shape; 1: split-K (gptq.cu); 2, 3: whole-K with 256, 512 threads (gptq_wide.cu)
+    int variant;  // 0: chosen by shape; 1: split-K (gptq.cu); 2, 3: whole-K with 256, 512 threads (gptq_wide.cu);
+                  // 4: whole-K lean, 256 threads (gptq_lean.cu); 5: the same with programmatic dependent launch
 };
 
 void gptq_gemv(const GemvArgs& a);  // M in 1..8, group_size % 8 == 0, N % 4 == 0
 bool gptq_gemv_wide_fits(const GemvArgs& a, int threads);
 void gptq_gemv_wide(const GemvArgs& a, int threads);  // whole-K GEMV; only where gptq_gemv_wide_fits
+// whole-K, fewer instructions per weight; where gptq_gemv_wide_fits(a, 256); pdl: programmatic dependent launch
+void gptq_gemv_lean(const GemvArgs& a, bool pdl);
 
 void gptq_dequantize(const uint32_t* qweight, int64_t k, int64_t n, const void* scales, const void* zeros,
                      int64_t group_size, int64_t groups, void* out, int device, std::uintptr_t stream);

@@ -30,8 +30,9 @@ WS_COUNTERS = 1 << 16
 EXL2_GEMV_MAX_ROWS = 4  # rows the EXL2 GEMV takes (csrc/cuda/exl2.cu); more go through dequantize + matmul
 
 # gptq_gemv's `variant`: chosen by shape, or one kernel forced (the whole-K ones only where their shape check
-# passes; the 512-thread one takes 1 or 2 rows).
-GEMV_AUTO, GEMV_SPLIT_K, GEMV_WHOLE_K, GEMV_WHOLE_K_512 = 0, 1, 2, 3
+# passes; the 512-thread one takes 1 or 2 rows; the lean one, csrc/cuda/gptq_lean.cu, the 256-thread one's shapes,
+# with or without programmatic dependent launch).
+GEMV_AUTO, GEMV_SPLIT_K, GEMV_WHOLE_K, GEMV_WHOLE_K_512, GEMV_WHOLE_K_LEAN, GEMV_WHOLE_K_LEAN_PDL = 0, 1, 2, 3, 4, 5
 
 # The parameter names of each binding in csrc/cuda/module_cuda.cpp, in order.
 CUDA_SIGNATURES: Dict[str, Tuple[str, ...]] = {
@@ -131,8 +132,8 @@ class CudaKernels:
     def gptq_matmul(self, x: torch.Tensor, w: Any, out: Optional[torch.Tensor] = None,
                     variant: int = GEMV_AUTO) -> torch.Tensor:
         """x @ dequantize(w); 1..8 rows through the GEMV (`variant`: GEMV_AUTO picks the kernel by shape;
-        GEMV_SPLIT_K, GEMV_WHOLE_K and GEMV_WHOLE_K_512 force one, for tools/gptq_gemv_bench.py), more through
-        cuBLAS."""
+        GEMV_SPLIT_K, GEMV_WHOLE_K, GEMV_WHOLE_K_512, GEMV_WHOLE_K_LEAN and GEMV_WHOLE_K_LEAN_PDL force one, for
+        tools/gptq_gemv_bench.py), more through cuBLAS."""
         if (x.dim() != 2 or x.shape[1] != w.in_features or x.dtype != torch.float16
                 or w.scales.dtype != torch.float16 or w.zeros.dtype != torch.float16
                 or (w.bias is not None and w.bias.dtype != torch.float16)):
