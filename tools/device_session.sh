@@ -66,20 +66,22 @@ from kobold_backend.bench.gguf_checkpoint import write_synthetic_gguf
 shape = PRESETS["llama2-7b"]
 for name, write in (("gptq", lambda: write_synthetic_gptq(Path("/tmp/gptq-7b"), shape, max_position_embeddings=32768)),
                     ("gguf", lambda: write_synthetic_gguf(Path("/tmp/q4km-7b.gguf"), shape)),
-                    ("exl2", lambda: write_synthetic_exl2(Path("/tmp/exl2-7b"), shape))):
+                    ("exl2", lambda: write_synthetic_exl2(Path("/tmp/exl2-7b"), shape)),
+                    ("gptq act-order", lambda: write_synthetic_gptq(Path("/tmp/gptq-7b-act"), shape, act_order=True))):
     t = time.time(); write(); print(f"{name} written in {time.time() - t:.1f} s", flush=True)
 EOF
 
 section "benches"
 bench_model gptq-7b /tmp/gptq-7b
+KOBOLD_BACKEND_GEMV_RULE=lean bench_model gptq-7b-lean /tmp/gptq-7b
 bench_model gguf-7b /tmp/q4km-7b.gguf
 bench_model exl2-7b /tmp/exl2-7b
 tail -2 "$OUT/exllamav2_build.log"
 exllamav2_on exl2-7b /tmp/exl2-7b
 exllamav2_on gptq-7b /tmp/gptq-7b
-for c in ${CACHE_DTYPES:-fp16 q8 q4}; do
-  bench_model "gptq-7b-cache-$c" /tmp/gptq-7b --cache-dtype "$c" --contexts "${CACHE_CONTEXTS:-4000,16000}"
-done
-[ "$(left)" -gt 60 ] && bench_model gptq-7b-speculative /tmp/gptq-7b --speculative --draft-preset qwen2.5-0.5b \
-  ${SPEC_FLAGS:-}
+bench_model gptq-7b-cache-fp16 /tmp/gptq-7b --contexts 16000
+for c in q8 q4; do bench_model "gptq-7b-cache-$c" /tmp/gptq-7b --cache-dtype "$c" --contexts 4000,16000; done
+bench_model gptq-7b-speculative /tmp/gptq-7b --speculative --draft-preset qwen2.5-0.5b ${SPEC_FLAGS:-}
+[ -d /tmp/gptq-7b-act ] && bench_model gptq-7b-act /tmp/gptq-7b-act
+[ -d /tmp/gptq-7b-act ] && KOBOLD_BACKEND_GEMV_RULE=lean bench_model gptq-7b-act-lean /tmp/gptq-7b-act
 section "done"

@@ -4,6 +4,7 @@ current stream by name, plus a per-(device, stream) workspace for split-K GEMV a
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -33,6 +34,9 @@ EXL2_GEMV_MAX_ROWS = 4  # rows the EXL2 GEMV takes (csrc/cuda/exl2.cu); more go 
 # passes; the 512-thread one takes 1 or 2 rows; the lean one, csrc/cuda/gptq_lean.cu, the 256-thread one's shapes,
 # with or without programmatic dependent launch).
 GEMV_AUTO, GEMV_SPLIT_K, GEMV_WHOLE_K, GEMV_WHOLE_K_512, GEMV_WHOLE_K_LEAN, GEMV_WHOLE_K_LEAN_PDL = 0, 1, 2, 3, 4, 5
+GEMV_AUTO_LEAN = 6  # chosen by shape, the lean kernel wherever a whole-K one is chosen
+# The rule GEMV_AUTO follows in this process: KOBOLD_BACKEND_GEMV_RULE=lean benchmarks the lean kernel end to end.
+DEFAULT_GEMV = GEMV_AUTO_LEAN if os.environ.get("KOBOLD_BACKEND_GEMV_RULE") == "lean" else GEMV_AUTO
 
 # The parameter names of each binding in csrc/cuda/module_cuda.cpp, in order.
 CUDA_SIGNATURES: Dict[str, Tuple[str, ...]] = {
@@ -153,7 +157,7 @@ class CudaKernels:
                    perm=0 if w.perm is None else w.perm.data_ptr(), qweight=w.qweight.data_ptr(), n=n,
                    scales=w.scales.data_ptr(), zeros=w.zeros.data_ptr(), group_size=w.group_size,
                    groups=w.scales.shape[0], bias=0 if w.bias is None else w.bias.data_ptr(), out=y.data_ptr(),
-                   variant=variant)
+                   variant=DEFAULT_GEMV if variant == GEMV_AUTO else variant)
         return y
 
     def exl2_dequantize(self, w: Any) -> torch.Tensor:
