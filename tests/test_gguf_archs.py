@@ -224,21 +224,23 @@ def test_gguf_unknown_architecture_is_one_sentence(written, tmp_path: Path) -> N
 @pytest.mark.parametrize("name", list(FIXTURES))
 def test_gpu_gguf_family_matches_cpu(name: str, written, loaded) -> None:
     """On CUDA in float16 (block formats as stored, MoE decode through the gathered path): prompt logits within
-    1e-2 relative of the float32 CPU run and 8 decode steps on the CPU run's tokens likewise."""
+    1e-2 relative of the float32 CPU run and 8 decode steps on the CPU run's tokens likewise; Gemma 3 within 2e-2,
+    the bound tests/test_architectures_moe_gemma.py measured for its seven layers of (1 + w) norms in fp16."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
+    tol = 2e-2 if name.startswith("gemma3") else 1e-2
     cpu = loaded(name)
     gpu = load_model(written(name).gguf, device="cuda", dtype="float16", max_seq_len=96)
     ids = prompt_ids(written(name).built, 16, seed=4)
     cpu_cache, gpu_cache = cpu.model.new_cache(), gpu.model.new_cache()
     ref = cpu.model.forward(ids, cpu_cache, last_only=False)
     ours = gpu.model.forward(ids.cuda(), gpu_cache, last_only=False).float().cpu()
-    assert row_rel_err(ours, ref) < 1e-2
+    assert row_rel_err(ours, ref) < tol, row_rel_err(ours, ref)
     for _ in range(8):
         token = torch.tensor([[int(ref[0, -1].argmax())]])
         ref = cpu.model.forward(token, cpu_cache)
         ours = gpu.model.forward(token.cuda(), gpu_cache).float().cpu()
-        assert row_rel_err(ours, ref) < 1e-2
+        assert row_rel_err(ours, ref) < tol, row_rel_err(ours, ref)
 
 
 def _meta(arch: str, layers: int, **extra: Any) -> Dict[str, Any]:
