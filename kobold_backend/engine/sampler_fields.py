@@ -3,10 +3,10 @@ sampler off), what it does, and the name, default and range it has in each diale
 
 Derived from this table: `SamplerSettings` and its validation (engine/sampling.py), the KoboldAI/KoboldCpp body's
 sampler keys with their 422 checks and OpenAPI schema (server/schemas.py FIELDS, server/openapi.py), OpenAI's other
-names for them (server/openai_schemas.RENAMES), United's GenerationSettings names and defaults
-(host/backend.UNITED_DEFAULTS), OpenAI's defaults (`openai_defaults`), the `generate` command's sampler flags and
-their defaults (`cli_defaults`), the web page's sampler controls (`page_controls`, served at /ui/samplers) and the
-table in docs/samplers.md (`markdown_table`, checked by a test).
+names for them (server/openai_schemas.RENAMES), United's GenerationSettings names and defaults (`united_values`,
+read by host/backend), OpenAI's defaults (`openai_defaults`), the `generate` command's sampler flags and their
+defaults (`cli_defaults`), the web page's sampler inputs (`page_controls`, rendered into the page at / by
+server/web.py) and the table in docs/samplers.md (`markdown_table`, checked by a test).
 """
 
 from __future__ import annotations
