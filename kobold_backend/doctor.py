@@ -12,7 +12,9 @@ import torch
 
 import kobold_backend
 from kobold_backend import wheels
+from kobold_backend.errors import ExtensionError
 from kobold_backend.ops import native
+from kobold_backend.ops.ggml import KERNEL_TYPES
 
 
 def _driver_info() -> Tuple[Optional[str], Optional[int]]:
@@ -65,6 +67,17 @@ def model_line(path: str) -> str:
     return f"model: {model.name}: {config.architecture}, {fmt} as stored"
 
 
+def _ggml_line(kind: str) -> str:
+    """Whether the loaded module of `kind` has the GGML block kernels (GGUF files), else the torch path serves."""
+    try:
+        kernels = native.cpu_kernels() if kind == "cpu" else native.cuda_kernels()
+    except ExtensionError:
+        kernels = None
+    native_ggml = kernels is not None and hasattr(kernels.module, "ggml_gemv")
+    path = "native" if native_ggml else "torch (dequantize + matmul)"
+    return f"  GGML block kernels ({' '.join(KERNEL_TYPES)}): {path}"
+
+
 def doctor_report(model: Optional[str] = None) -> str:
     """A multi-line report: Python, torch, CUDA runtime and driver, GPUs, and the active kernel paths (and, with
     `model`, the model's architecture and weight format)."""
@@ -98,6 +111,8 @@ def doctor_report(model: Optional[str] = None) -> str:
         if fp:
             details = ", ".join(f"{k}={v}" for k, v in sorted(fp.items()) if k != "kind")
             lines.append(f"  fingerprint: {details}")
+        if entry["path"] != "error":
+            lines.append(_ggml_line(kind))
     if model is not None:
         lines.append(model_line(model))
     return "\n".join(lines)

@@ -134,3 +134,19 @@ def test_bench_tiny_mixtral_roofline_counts_only_routed_experts(tmp_path: Path) 
     assert all(v > 0 for v in ours["decode_tokens_per_s"].values())
     # with 2 of 4 experts read per token, the roofline is above what reading every weight would allow
     assert ours["roofline_tokens_per_s"] > ours["copy_bandwidth_bytes_per_s"] / ours["weights_bytes"]
+
+
+def test_bench_speculative_reports_every_variant(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--preset", "tiny", "--device", "cpu", "--speculative", "--draft-preset", "tiny",
+                 "--draft-tokens", "3", "--json", str(out)]) == 0
+    spec = json.loads(out.read_text())["speculation"]
+    assert spec["draft_tokens"] == 3 and spec["draft_weights_bytes"] > 0
+    for text in ("repetitive", "random"):
+        runs = spec[text]
+        assert set(runs) == {"plain", "ngram", "self_draft", "draft"}
+        for name, run in runs.items():
+            assert run["identical_to_plain"] and run["tokens_per_s"] > 0, (text, name)
+        assert runs["self_draft"]["acceptance_rate"] == 1.0 and runs["self_draft"]["tokens_per_target_forward"] > 2
+    assert set(spec["components"]["predicted_speedup"]) == {"0.5", "0.7", "0.8", "0.9"}
+    assert "speculation (k=3" in capsys.readouterr().err

@@ -74,8 +74,8 @@ def hand_cache_bytes(shape: str, tokens: int, elem: int = 2) -> int:
 # Byte counts.
 
 
-@pytest.mark.parametrize("name", ["dense_fp16", "dense_fp32", "gqa", "mistral", "gptq_act_order", "gptq_g-1",
-                                  "gptq_v1_asym_g32"])
+@pytest.mark.parametrize("name", ["dense_fp16", "dense_fp32", "gqa", "mistral", "gptq_act_order", "gptq8_act_order",
+                                  "gptq_g-1", "gptq_v1_asym_g32"])
 def test_planned_bytes_equal_the_loaded_model(name: str, checkpoints: CheckpointFactory) -> None:
     """On the CPU (float32), the plan's weight and cache bytes are exactly what load_model allocates."""
     built = checkpoints.get(name)
@@ -90,6 +90,8 @@ def test_planned_bytes_equal_the_loaded_model(name: str, checkpoints: Checkpoint
         # q/k/v and gate/up may be fused into one wide weight at load: count whatever the layer holds.
         actual = sum(_nbytes(getattr(layer, p)) for p in layer.PROJECTIONS if getattr(layer, p) is not None)
         actual += _nbytes(layer.input_norm) + _nbytes(layer.post_norm)
+        if layer.mlp_perm is not None:  # down_proj's act-order permutation, folded into gate/up (mlp_fold.py)
+            actual += _nbytes(layer.mlp_perm)
         assert sizes.layer(i, 4) == actual
     assert sizes.rope(4) == _nbytes(lm.model.cos[0]) + _nbytes(lm.model.sin[0])
 
@@ -214,7 +216,8 @@ def test_embeddings_in_ram_free_gpu_memory_for_layers() -> None:
 def test_no_gpu_runs_everything_on_the_cpu() -> None:
     dm = plan_device_map(config_of("7b"), {"cpu": 64}, 2048, cpu_layers="auto")
     assert dm.layer_devices == ["cpu"] * 32 and dm.head_device == "cpu" and dm.uniform
-    assert dm.load_kwargs() == {"device": "cpu", "layer_devices": None, "embed_on_cpu": False, "max_seq_len": 2048}
+    assert dm.load_kwargs() == {"device": "cpu", "layer_devices": None, "embed_on_cpu": False, "max_seq_len": 2048,
+                                "cache_dtype": "fp16"}
 
 
 def test_longer_context_moves_layers_off_the_gpu() -> None:
@@ -233,7 +236,7 @@ def test_describe_lists_each_device() -> None:
     assert f"0-{n_cpu - 1}" in cpu_line and f"{n_cpu}-31 +embed+head" in gpu_line
     free = next(u for u in dm.usage if u.device == "cuda:0").free_bytes
     assert gpu_line.split()[-1] == "GiB" and f"{free / GIB:.2f}" in gpu_line
-    assert "4096-token cache" in text
+    assert "4096-token fp16 cache" in text
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from kobold_backend.engine.weights import WeightReader
 from kobold_backend.ops.cpu_kernels import CPU_SIGNATURES, CpuKernels
 from kobold_backend.ops.cuda_kernels import CUDA_SIGNATURES, CudaKernels
 from kobold_backend.ops.exl2_weight import EXL2Weight
+from kobold_backend.ops.ggml import GGMLWeight, row_bytes
+from kobold_backend.ops.kv_quant import QuantizedKV
 from kobold_backend.ops.marshal import call
 from tests.ext_helpers import make_gptq, random, rope_tables
 
@@ -105,6 +107,15 @@ def test_cuda_wrappers_name_every_argument_of_their_kernel(monkeypatch: pytest.M
     ew = exl2_linear()
     k.exl2_matmul(random((2, ew.in_features), half, seed=4), ew)
     k.exl2_dequantize(ew)
+    gw = GGMLWeight(torch.zeros(32, row_bytes("Q8_0", 64), dtype=torch.uint8), "Q8_0", 64, 32)
+    k.ggml_matmul(x, gw)
+    k.ggml_dequantize(gw)
+    kq = QuantizedKV.empty((1, 2, 16, 32), 4, half, "cpu")
+    vq = QuantizedKV.empty((1, 2, 16, 32), 8, half, "cpu")
+    k.kvq_decode_attention(random((1, 4, 32), half, seed=4), kq, vq, 9, None, 0.25)
+    cos32, sin32 = (t.to(half) for t in rope_tables(16, 32))
+    k.kvq_rope_write(random((1, 1, 4, 32), half, seed=5), random((1, 1, 2, 32), half, seed=6),
+                     random((1, 1, 2, 32), half, seed=7), cos32, sin32, 0, torch.tensor([3]), kq, vq)
     assert sorted(module.calls) == sorted(CUDA_SIGNATURES)
     c = module.calls
     assert (c["rms_norm"]["rows"], c["rms_norm"]["d"], c["rms_norm"]["eps"]) == (2, 64, pytest.approx(1e-5))
@@ -123,6 +134,17 @@ def test_cuda_wrappers_name_every_argument_of_their_kernel(monkeypatch: pytest.M
     assert (eg["rows"], eg["k"], eg["n"], eg["n_stored"]) == (2, 256, 256, 256)
     assert eg["chunks"] == ew.chunks.data_ptr() and eg["perm"] == ew.perm.data_ptr() and eg["ws"] == (1, 2, 3, 4)
     assert c["exl2_dequantize"]["q_scale_max"] == ew.q_scale_max.data_ptr()
+    assert (c["ggml_gemv"]["type"], c["ggml_gemv"]["rows"], c["ggml_gemv"]["row_bytes"]) == (8, 2, 68)
+    assert c["ggml_dequantize"]["w"] == gw.data.data_ptr()
+    kvq = c["kvq_decode_attention"]
+    assert (kvq["hq"], kvq["hkv"], kvq["d"], kvq["k_bits"], kvq["v_bits"], kvq["seq_len"], kvq["pos_dev"]) == \
+        (4, 2, 32, 4, 8, 9, 0)
+    assert kvq["kd"] == kq.data.data_ptr() and kvq["vss"] == vq.scales.stride()[:3] and kvq["ws"] == (1, 2, 3, 4)
+    assert (kvq["q_f16"], kvq["out_f16"], kvq["window"], kvq["softcap"]) == (1, 1, 0, 0.0)
+    w = c["kvq_rope_write"]
+    assert (w["b"], w["t"], w["hq"], w["hkv"], w["d"], w["k_bits"], w["v_bits"], w["max_pos"]) == \
+        (1, 1, 4, 2, 32, 4, 8, 16)
+    assert w["pos_dev"] != 0 and w["vscale"] == vq.scales.data_ptr() and w["kds"] == kq.data.stride()[:3]
 
 
 def test_cpu_wrappers_name_every_argument_of_their_kernel() -> None:
@@ -140,8 +162,19 @@ def test_cpu_wrappers_name_every_argument_of_their_kernel() -> None:
     k.rope_cache_write(q, kv, kv, cos.float(), sin.float(), 5, kc, vc)
     k.decode_attention(q[:, 0], kc, vc, 9, 0.25)
     k.silu_mul(x, x)
+    gw = GGMLWeight(torch.zeros(32, row_bytes("Q4_K", 256), dtype=torch.uint8), "Q4_K", 256, 32)
+    k.ggml_matmul(random((3, 256), torch.float32, seed=4), gw)
+    k.ggml_dequantize(gw, torch.float16)
+    kq = QuantizedKV.empty((1, 2, 16, 32), 8, torch.float32, "cpu")
+    vq = QuantizedKV.empty((1, 2, 16, 32), 4, torch.float32, "cpu")
+    assert k.kvq_decode_attention(random((1, 4, 32), torch.float32, seed=4), kq, vq, 7, 0.25) is not None
     assert sorted(module.calls) == sorted(CPU_SIGNATURES)
     c = module.calls
+    kvq = c["kvq_decode_attention"]
+    assert (kvq["hq"], kvq["hkv"], kvq["d"], kvq["k_bits"], kvq["v_bits"], kvq["seq_len"]) == (4, 2, 32, 8, 4, 7)
+    assert kvq["ks"] == kq.scales.data_ptr() and kvq["vds"] == vq.data.stride()[:3]
     assert (c["gptq_gemv"]["rows"], c["gptq_gemv"]["out_dtype"], c["gptq_gemv"]["bias"]) == (2, 0, 0)
     assert (c["rope_cache_write"]["pos"], c["decode_attention"]["seq_len"]) == (5, 9)
     assert c["silu_mul"]["threads"] == torch.get_num_threads()
+    assert (c["ggml_gemv"]["type"], c["ggml_gemv"]["rows"], c["ggml_gemv"]["k"]) == (12, 3, 256)
+    assert c["ggml_dequantize"]["out_dtype"] == 1

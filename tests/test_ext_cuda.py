@@ -76,13 +76,20 @@ WHOLE_K_CASES = [
 
 
 @pytest.mark.parametrize("k,n,gs,act,m,bias,pad", WHOLE_K_CASES)
-@pytest.mark.parametrize("variant", ["split-K", "whole-K", "whole-K-512"])
+@pytest.mark.parametrize("variant", ["split-K", "whole-K", "whole-K-512", "whole-K-lean", "whole-K-lean-pdl"])
 def test_gptq_gemv_each_kernel(kernels: native.CudaKernels, k: int, n: int, gs: int, act: bool, m: int, bias: bool,
                                pad: int, variant: str) -> None:
     """Each GEMV kernel forced on the same inputs: each matches the oracle, and repeats bit for bit."""
-    from kobold_backend.ops.cuda_kernels import GEMV_SPLIT_K, GEMV_WHOLE_K, GEMV_WHOLE_K_512
+    from kobold_backend.ops.cuda_kernels import (
+        GEMV_SPLIT_K,
+        GEMV_WHOLE_K,
+        GEMV_WHOLE_K_512,
+        GEMV_WHOLE_K_LEAN,
+        GEMV_WHOLE_K_LEAN_PDL,
+    )
 
-    code = {"split-K": GEMV_SPLIT_K, "whole-K": GEMV_WHOLE_K, "whole-K-512": GEMV_WHOLE_K_512}[variant]
+    code = {"split-K": GEMV_SPLIT_K, "whole-K": GEMV_WHOLE_K, "whole-K-512": GEMV_WHOLE_K_512,
+            "whole-K-lean": GEMV_WHOLE_K_LEAN, "whole-K-lean-pdl": GEMV_WHOLE_K_LEAN_PDL}[variant]
     w = make_gptq(k, n, gs, act_order=act, dtype=F16, bias=bias, device="cuda", seed=k + n + m + pad)
     x = random((m, k + pad), F16, seed=m, device="cuda")[:, :k]
     if code == GEMV_WHOLE_K_512 and m > 2:
@@ -94,14 +101,33 @@ def test_gptq_gemv_each_kernel(kernels: native.CudaKernels, k: int, n: int, gs: 
     assert torch.equal(y, kernels.gptq_matmul(x, w, out=poisoned((m, n), F16, "cuda"), variant=code))
 
 
-def test_gptq_gemv_whole_k_refuses_small_groups(kernels: native.CudaKernels) -> None:
+@pytest.mark.parametrize("lean", [False, True])
+def test_gptq_gemv_whole_k_refuses_small_groups(kernels: native.CudaKernels, lean: bool) -> None:
     """A batch of 8 packed rows must lie in one group: group size 32 is refused, not computed wrong."""
-    from kobold_backend.ops.cuda_kernels import GEMV_WHOLE_K
+    from kobold_backend.ops.cuda_kernels import GEMV_WHOLE_K, GEMV_WHOLE_K_LEAN
 
     w = make_gptq(4096, 4096, 32, dtype=F16, device="cuda", seed=3)
     x = random((1, 4096), F16, seed=3, device="cuda")
     with pytest.raises(ValueError, match="whole-K"):
-        kernels.gptq_matmul(x, w, variant=GEMV_WHOLE_K)
+        kernels.gptq_matmul(x, w, variant=GEMV_WHOLE_K_LEAN if lean else GEMV_WHOLE_K)
+
+
+@pytest.mark.parametrize("k,n,act,m", [(4096, 4096, False, 1), (11008, 4096, True, 2), (4096, 12288, False, 8)])
+def test_gptq_gemv_lean_large_inputs(kernels: native.CudaKernels, k: int, n: int, act: bool, m: int) -> None:
+    """The lean kernel sums (q - zero) * x in fp16 before applying the scale, so those sums are ~1/scale larger
+    than the other kernels' sums: with inputs up to ~2000 they overflow fp16 unless x is staged divided by a
+    power of two, which the kernel does per block from max |x|. The first row keeps small inputs, so one block
+    holds rows of very different sizes."""
+    from kobold_backend.ops.cuda_kernels import GEMV_WHOLE_K_LEAN
+
+    w = make_gptq(k, n, 128, act_order=act, dtype=F16, device="cuda", seed=k + m)
+    x = random((m, k), F16, seed=m, scale=500.0, device="cuda")
+    x[0] = random((k,), F16, seed=m + 1, device="cuda")
+    assert float(x.abs().max()) > 1500.0
+    y = kernels.gptq_matmul(x, w, out=poisoned((m, n), F16, "cuda"), variant=GEMV_WHOLE_K_LEAN)
+    want = gptq_oracle(x, w)
+    for i in range(m):  # each row against its own scale: a row of small inputs must not lose them
+        assert_close_rel(y[i:i + 1], want[i:i + 1], TOL, f"lean {k}x{n} act={act} m={m} row {i}")
 
 
 @pytest.mark.parametrize("m,n,gs", [(9, 4096, 128), (64, 4096, 128), (1, 6, 8), (3, 64, 20)])
@@ -255,6 +281,49 @@ def test_ops_dispatch_cuda_fp16_to_native(kernels: native.CudaKernels) -> None:
     x = random((1, 4096), F16, seed=6, device="cuda")
     assert torch.equal(ops.gptq_matmul(x, w), kernels.gptq_matmul(x, w))
     assert "CUDA kernels: " in doctor_report()
+
+
+def test_gptq_gemv_lean_pdl_chain(kernels: native.CudaKernels) -> None:
+    """Four GEMVs, each reading the previous one's output, launched with programmatic dependent launch: each
+    must wait for its input although it starts its weight loads early. Eagerly and replayed from a CUDA graph,
+    the chain must equal the same kernel launched plainly, bit for bit."""
+    from kobold_backend.ops.cuda_kernels import GEMV_WHOLE_K_LEAN, GEMV_WHOLE_K_LEAN_PDL
+
+    ws = [make_gptq(4096, 4096, 128, dtype=F16, device="cuda", seed=40 + i) for i in range(4)]
+    x = random((1, 4096), F16, seed=44, device="cuda")
+    ys = [torch.empty(1, 4096, dtype=F16, device="cuda") for _ in ws]
+
+    def chain(variant: int) -> None:
+        for i, w in enumerate(ws):
+            kernels.gptq_matmul(x if i == 0 else ys[i - 1], w, out=ys[i], variant=variant)
+
+    chain(GEMV_WHOLE_K_LEAN)
+    want = [y.clone() for y in ys]
+    assert_close_rel(want[0], gptq_oracle(x, ws[0]), TOL, "lean chain, first GEMV")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for y in ys:
+            y.fill_(float("nan"))
+        chain(GEMV_WHOLE_K_LEAN_PDL)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for i, (y, expected) in enumerate(zip(ys, want)):
+        assert torch.equal(y, expected), f"eager PDL chain differs at GEMV {i}"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        chain(GEMV_WHOLE_K_LEAN_PDL)
+    for seed in (45, 46):
+        x.copy_(random((1, 4096), F16, seed=seed, device="cuda"))
+        chain(GEMV_WHOLE_K_LEAN)
+        torch.cuda.synchronize()
+        want = [y.clone() for y in ys]
+        for y in ys:
+            y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (y, expected) in enumerate(zip(ys, want)):
+            assert torch.equal(y, expected), f"graph PDL chain differs at GEMV {i} (seed {seed})"
 
 
 def test_cuda_graph_capture_and_replay(kernels: native.CudaKernels) -> None:

@@ -80,22 +80,35 @@ def test_engine_dequantizes_every_layer_like_the_packer(name: str, checkpoints: 
             assert w.group_size == (k if quant.group_size == -1 else quant.group_size)
             assert w.bits == quant.bits
             sorted_rows = ops.gptq_dequantize(w).float()
+            # an act-order down_proj's permutation is folded into gate/up's output columns (engine/mlp_fold.py)
+            row_perm, col_perm = w.perm, None
+            if quant.act_order and linear == "mlp.down_proj":
+                assert w.perm is None and layer.mlp_perm is not None
+                row_perm = layer.mlp_perm
+            elif quant.act_order and linear in ("mlp.gate_proj", "mlp.up_proj"):
+                col_perm = layer.mlp_perm
             if quant.act_order:
-                assert w.perm is not None
-                assert sorted(w.perm.tolist()) == list(range(k))
-                # sorted row i is original row perm[i], and the groups are contiguous in sorted order
-                assert bool((packed.g_idx.long()[w.perm][1:] >= packed.g_idx.long()[w.perm][:-1]).all())
+                assert row_perm is not None
+                assert sorted(row_perm.tolist()) == list(range(k))
+                # sorted row i is original row row_perm[i], and the groups are contiguous in sorted order
+                assert bool((packed.g_idx.long()[row_perm][1:] >= packed.g_idx.long()[row_perm][:-1]).all())
                 original = torch.empty_like(sorted_rows)
-                original[w.perm] = sorted_rows
+                original[row_perm] = sorted_rows
             else:
-                assert w.perm is None, f"{name}: trivial g_idx not detected"
+                assert w.perm is None and layer.mlp_perm is None, f"{name}: trivial g_idx not detected"
                 original = sorted_rows
+            zeros = w.zeros.float()
+            if col_perm is not None:
+                original = torch.empty_like(original).index_copy_(1, col_perm, original)
+                zeros = torch.empty_like(zeros).index_copy_(1, col_perm, zeros)
             torch.testing.assert_close(original, packed.dequantized.t(), rtol=1e-6, atol=1e-6)
-            assert torch.equal(w.zeros.float(), packed.zeros.float()), f"{name}: zeros are not the true zeros"
-            # and the product, which gathers the activation through perm
+            assert torch.equal(zeros, packed.zeros.float()), f"{name}: zeros are not the true zeros"
+            # and the product, which gathers the activation through perm (or takes it permuted, when folded)
             x = torch.randn(3, k, generator=torch.Generator().manual_seed(i))
-            torch.testing.assert_close(ops.gptq_matmul(x, w), x @ packed.dequantized.t(), rtol=1e-5, atol=1e-5)
-
+            ref = x @ packed.dequantized.t()
+            x_in = x if w.perm is not None or row_perm is None else x.index_select(1, row_perm)
+            ref = ref if col_perm is None else ref.index_select(1, col_perm)
+            torch.testing.assert_close(ops.gptq_matmul(x_in, w), ref, rtol=1e-5, atol=1e-5)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", GPTQ_NAMES)
@@ -110,10 +123,18 @@ def test_gpu_dequantize_and_matmul(name: str, checkpoints: CheckpointFactory) ->
             w = layer.weight(linear.split(".")[1])
             assert w.qweight.device.type == "cuda"
             rows = ops.gptq_dequantize(w).float().cpu()
-            original = rows if w.perm is None else torch.empty_like(rows).index_copy_(0, w.perm.cpu(), rows)
+            # an act-order down_proj's permutation is folded into gate/up's output columns (engine/mlp_fold.py)
+            mlp_perm = None if layer.mlp_perm is None else layer.mlp_perm.cpu()
+            row_perm = mlp_perm if w.perm is None and linear == "mlp.down_proj" else w.perm
+            col_perm = mlp_perm if linear in ("mlp.gate_proj", "mlp.up_proj") else None
+            original = rows if row_perm is None else torch.empty_like(rows).index_copy_(0, row_perm.cpu(), rows)
+            if col_perm is not None:
+                original = torch.empty_like(original).index_copy_(1, col_perm, original)
             # fp16 products of exact (q - z) and fp16 scales: one half-precision rounding at most
             torch.testing.assert_close(original, packed.dequantized.t(), rtol=1e-3, atol=1e-4)
             x = torch.randn(5, w.in_features, generator=torch.Generator().manual_seed(i))
-            y = ops.gptq_matmul(x.half().cuda(), w).float().cpu()
+            x_in = x if w.perm is not None or row_perm is None else x.index_select(1, row_perm.cpu())
+            y = ops.gptq_matmul(x_in.half().cuda(), w).float().cpu()
             ref = x.half().float() @ packed.dequantized.t()
+            ref = ref if col_perm is None else ref.index_select(1, col_perm)
             assert (y - ref).norm() / ref.norm() < 2e-3

@@ -47,7 +47,8 @@ def test_keys_and_layer_check(model: Path, gpus: List[str]) -> None:
     n = ModelConfig.from_dir(model).num_layers
     ids = [p["id"] for p in params]
     layer_ids = [f"{i}_Layers" for i in range(len(gpus))] + ["CPU_Layers"]
-    assert ids == ["valid_layers", *layer_ids, "max_ctx", "compress_emb", "ntk_alpha", "cache_dtype", "embed_on_cpu"]
+    assert ids == ["valid_layers", *layer_ids, "max_ctx", "compress_emb", "ntk_alpha", "cache_dtype", "kv_cache",
+                   "embed_on_cpu", "speculative", "draft_model", "draft_tokens"]
     for p in params:
         assert COMMON_KEYS <= set(p), p["id"]
         assert p["uitype"] in UITYPES and p["unit"] in UNITS
@@ -92,12 +93,13 @@ def test_unusable_folder_keeps_load_disabled(tmp_path: Path) -> None:
 def test_load_options_from_submitted_values(model: Path) -> None:
     config = ModelConfig.from_dir(model)
     opts = load_options({"0_Layers": "1", "1_Layers": 0, "CPU_Layers": 2, "max_ctx": 512, "compress_emb": "2",
-                         "ntk_alpha": 1.5, "cache_dtype": "float16", "embed_on_cpu": "true"}, config, gpus=["A", "B"])
+                         "ntk_alpha": 1.5, "cache_dtype": "float16", "kv_cache": "fp16", "embed_on_cpu": "true"},
+                        config, gpus=["A", "B"])
     assert opts.device == "cuda:0"
     assert opts.layer_devices == ["cuda:0", "cpu", "cpu"]
     assert opts.load_kwargs() == {"device": "cuda:0", "layer_devices": ["cuda:0", "cpu", "cpu"], "max_seq_len": 512,
                                   "rope_alpha": 1.5, "compress_pos_emb": 2.0, "dtype": "float16",
-                                  "embed_on_cpu": True}
+                                  "embed_on_cpu": True, "cache_dtype": "fp16"}
     assert opts.values["CPU_Layers"] == 2 and opts.values["embed_on_cpu"] is True
     # everything on one device: no per-layer list
     opts = load_options({"0_Layers": 0, "1_Layers": 3, "CPU_Layers": 0}, config, gpus=["A", "B"])
@@ -112,6 +114,7 @@ def test_load_options_from_submitted_values(model: Path) -> None:
     ({"max_ctx": "lots"}, "max_ctx"),
     ({"compress_emb": 0}, "compress_emb"),
     ({"cache_dtype": "int8"}, "cache_dtype"),
+    ({"kv_cache": "q2"}, "kv_cache"),
 ])
 def test_load_options_name_the_bad_field(model: Path, values: Dict[str, Any], field: str) -> None:
     with pytest.raises(RequestError) as err:
@@ -128,3 +131,9 @@ def test_settings_file_round_trip(tmp_path: Path) -> None:
     assert read_settings("missing", tmp_path) == {}
     path.write_text("{not json")
     assert read_settings("org/My-Model", tmp_path) == {}
+
+
+def test_a_quantized_cache_is_refused_for_a_head_size_groups_of_32_do_not_divide(model: Path) -> None:
+    with pytest.raises(RequestError, match="multiple of 32; this model's is 16") as err:
+        load_options({"kv_cache": "q4"}, ModelConfig.from_dir(model), gpus=[])
+    assert err.value.field == "kv_cache"

@@ -227,3 +227,20 @@ def test_adapter_on_fused_phi3_projections_matches_peft(tmp_path: Path) -> None:
         ref = peft_merged(phi3.path, {"fused": tmp_path / "lora" / "fused"})(ids).logits
     assert row_rel_err(ours, ours_logits(model, ids, None)) > 1e-2
     assert row_rel_err(ours, ref) < RTOL
+
+
+def test_adapter_on_act_order_gptq_matches_peft(checkpoints: CheckpointFactory, tmp_path: Path) -> None:
+    """An act-order GPTQ model keeps its MLP intermediate in down_proj's permutation (engine/mlp_fold.py) while
+    adapters address it in checkpoint order: gate/up/down deltas must still match peft on the dense weights."""
+    built = checkpoints.get("gptq_act_order")
+    make_adapter(built.oracle_path, tmp_path / "lora" / "mlp", seed=6, target_modules=["gate_proj", "up_proj",
+                                                                                      "down_proj"])
+    model = load_model(built.path, device="cpu")
+    assert all(layer.mlp_perm is not None for layer in model.model.layers)
+    ids = prompt_ids(built, 20, seed=2)
+    pt = build_passthrough({"lora": [{"name": "mlp"}]}, model.model, PassthroughConfig(lora_dir=tmp_path / "lora"))
+    ours = ours_logits(model, ids, pt)
+    with torch.no_grad():
+        ref = peft_merged(built.oracle_path, {"mlp": tmp_path / "lora" / "mlp"})(ids).logits
+    assert row_rel_err(ours, ours_logits(model, ids, None)) > 1e-2
+    assert row_rel_err(ours, ref) < RTOL

@@ -108,6 +108,8 @@ def _bytes_on(lm: LoadedModel, cache: Any, device: torch.device) -> int:
         for name in ("input_norm", "post_norm") + layer.PROJECTIONS:
             if getattr(layer, name) is not None:
                 add(getattr(layer, name))
+        if layer.mlp_perm is not None:  # down_proj's act-order permutation, folded into gate/up (mlp_fold.py)
+            add(layer.mlp_perm)
     for w in (m.embed_tokens, m.norm, m.lm_head):
         add(w)
     for t in cache.k + cache.v:

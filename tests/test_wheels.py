@@ -505,7 +505,7 @@ def test_cpu_wheel_build_is_reproducible(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_kernel_objects_compile_once_for_every_python(tmp_path: Path) -> None:
-    """build_cpu with an objects folder: the second build reuses ops_cpu's object (only the binding compiles) and
+    """build_cpu with an objects folder: the second build reuses the kernel objects (only the binding compiles) and
     links the same bytes; tools/build_wheels.py relies on this to compile a toolkit's kernels once."""
     from kobold_backend.ops import build
 
@@ -518,9 +518,11 @@ def test_kernel_objects_compile_once_for_every_python(tmp_path: Path) -> None:
         built.append(build.build_cpu(tmp_path / run / f"_ext_cpu{build.ext_suffix()}", log=log.append,
                                      objects=objects))
         logs.append(log)
-    assert any("compile ops_cpu.cpp" in line for line in logs[0])
-    assert not any("ops_cpu.cpp" in line for line in logs[1]) and any("module_cpu.cpp" in line for line in logs[1])
-    assert [p.name.split("-")[0] for p in objects.iterdir()] == ["ops_cpu"]
+    for kernel in ("ops_cpu.cpp", "ggml_cpu.cpp", "kv_quant_cpu.cpp"):
+        assert any(f"compile {kernel}" in line for line in logs[0])
+        assert not any(kernel in line for line in logs[1])
+    assert any("module_cpu.cpp" in line for line in logs[1])
+    assert sorted(p.name.split("-")[0] for p in objects.iterdir()) == ["ggml_cpu", "kv_quant_cpu", "ops_cpu"]
     assert built[0].read_bytes() == built[1].read_bytes()
 
 

@@ -112,9 +112,13 @@ def pybind11_shim(spec: str) -> Path:
         import pybind11
 
         shim = Path(tempfile.gettempdir()) / "kobold-backend-wheel-build" / f"pybind11-{pybind11.__version__}-local"
-        if not (shim / "pybind11").exists():
+        target = Path(pybind11.__file__).resolve().parent
+        link = shim / "pybind11"
+        if not (link.is_symlink() and link.resolve() == target):  # absent, or another interpreter's (maybe gone)
             shim.mkdir(parents=True, exist_ok=True)
-            (shim / "pybind11").symlink_to(Path(pybind11.__file__).resolve().parent, target_is_directory=True)
+            staging = shim / f".pybind11-{os.getpid()}"
+            staging.symlink_to(target, target_is_directory=True)
+            os.replace(staging, link)
         return shim
     shim = Path(tempfile.gettempdir()) / "kobold-backend-wheel-build" / f"pybind11-{spec}"
     if not (shim / "pybind11").is_dir():

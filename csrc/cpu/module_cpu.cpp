@@ -5,12 +5,14 @@
 #include <cstdint>
 #include <string>
 
+#include "ggml_cpu.h"
 #include "kb_common.h"
 #include "ops_cpu.h"
 
 namespace py = pybind11;
 using kb::cpu::AttnArgs;
 using kb::cpu::GemvArgs;
+using kb::cpu::KvqAttnArgs;
 using kb::cpu::RopeArgs;
 
 namespace {
@@ -123,9 +125,46 @@ PYBIND11_MODULE(_ext_cpu, m) {
         });
 
     m.def(
+        "kvq_decode_attention",
+        [](std::uintptr_t q, int64_t q_sb, int64_t q_sh, int64_t b, int64_t hq, int64_t hkv, int64_t d,
+           std::uintptr_t kd, std::uintptr_t ks, std::uintptr_t vd, std::uintptr_t vs, py::tuple kds, py::tuple kss,
+           py::tuple vds, py::tuple vss, int k_bits, int v_bits, int64_t seq_len, float scale, int64_t window,
+           float softcap, std::uintptr_t out, int threads) {
+            KvqAttnArgs a{ptr<const void>(q), q_sb, q_sh, b, hq, hkv, d, ptr<const void>(kd), ptr<const void>(ks),
+                          ptr<const void>(vd), ptr<const void>(vs),
+                          kds[0].cast<int64_t>(), kds[1].cast<int64_t>(), kds[2].cast<int64_t>(),
+                          kss[0].cast<int64_t>(), kss[1].cast<int64_t>(), kss[2].cast<int64_t>(),
+                          vds[0].cast<int64_t>(), vds[1].cast<int64_t>(), vds[2].cast<int64_t>(),
+                          vss[0].cast<int64_t>(), vss[1].cast<int64_t>(), vss[2].cast<int64_t>(),
+                          k_bits, v_bits, seq_len, scale, window, softcap, ptr<void>(out), threads};
+            py::gil_scoped_release release;
+            kb::cpu::kvq_decode_attention(a);
+        });
+
+    m.def(
         "silu_mul",
         [](std::uintptr_t gate, std::uintptr_t up, int dtype, int64_t n, std::uintptr_t out, int threads) {
             kb::cpu::silu_mul(ptr<const void>(gate), ptr<const void>(up), dtype, n, ptr<void>(out), threads);
+        },
+        py::call_guard<py::gil_scoped_release>());
+
+    m.def(
+        "ggml_gemv",
+        [](int type, std::uintptr_t w, int64_t row_bytes, int64_t n, int64_t k, std::uintptr_t x, int x_dtype,
+           int64_t x_stride, int64_t rows, std::uintptr_t bias, int bias_dtype, std::uintptr_t out, int out_dtype,
+           int threads) {
+            kb::cpu::GgmlGemvArgs a{type, ptr<const uint8_t>(w), row_bytes, n, k, ptr<const void>(x), x_dtype,
+                                    x_stride, rows, ptr<const void>(bias), bias_dtype, ptr<void>(out), out_dtype,
+                                    threads};
+            kb::cpu::ggml_gemv(a);
+        },
+        py::call_guard<py::gil_scoped_release>());
+
+    m.def(
+        "ggml_dequantize",
+        [](int type, std::uintptr_t w, int64_t row_bytes, int64_t n, int64_t k, std::uintptr_t out, int out_dtype,
+           int threads) {
+            kb::cpu::ggml_dequantize(type, ptr<const uint8_t>(w), row_bytes, n, k, ptr<void>(out), out_dtype, threads);
         },
         py::call_guard<py::gil_scoped_release>());
 }

@@ -70,6 +70,25 @@ struct AttnArgs {
 
 void decode_attention(const AttnArgs& a);
 
+// Decode attention over the 8/4-bit KV cache of kobold_backend/ops/kv_quant.py (kv_quant_cpu.cpp); strides in
+// elements (bytes for the data, fp16 values for the scales).
+struct KvqAttnArgs {
+    const void* q;  // float32 [B, Hq, D], last dim contiguous
+    int64_t q_sb, q_sh, b, hq, hkv, d;
+    const void* kd; const void* ks;  // K: int8 [B, Hkv, S, D] or nibbles uint8 [.., D/2]; fp16 scales [.., D/32]
+    const void* vd; const void* vs;  // V: the same
+    int64_t kd_sb, kd_sh, kd_ss, ks_sb, ks_sh, ks_ss, vd_sb, vd_sh, vd_ss, vs_sb, vs_sh, vs_ss;
+    int k_bits, v_bits;
+    int64_t seq_len;
+    float scale;
+    int64_t window;  // > 0: only the last `window` of the seq_len positions; 0: all
+    float softcap;   // > 0: scores become softcap * tanh(scores / softcap); 0: none
+    void* out;       // float32 [B, Hq, D] contiguous
+    int threads;
+};
+
+void kvq_decode_attention(const KvqAttnArgs& a);
+
 // out = silu(gate) * up over n contiguous elements.
 void silu_mul(const void* gate, const void* up, int dtype, int64_t n, void* out, int threads);
 

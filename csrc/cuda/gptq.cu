@@ -235,16 +235,27 @@ void gptq_gemv(const GemvArgs& a) {
     require(a.groups == (a.k + a.group_size - 1) / a.group_size, "gptq_gemv: groups != ceil(K / group_size)");
     require(aligned(a.qweight, 16) && aligned(a.scales, 8) && aligned(a.zeros, 8),
             "gptq_gemv needs qweight 16-byte aligned and scales/zeros 8-byte aligned");
-    require(a.variant >= 0 && a.variant <= 3,
-            "gptq_gemv: variant must be 0 (auto), 1 (split-K), 2 or 3 (whole-K, 256 or 512 threads)");
+    require(a.variant >= 0 && a.variant <= 6,
+            "gptq_gemv: variant must be 0 (auto), 1 (split-K), 2 or 3 (whole-K, 256 or 512 threads), 4 or 5 "
+            "(whole-K lean, without or with programmatic dependent launch) or 6 (auto, lean where whole-K is chosen)");
     use_device(a.device);
-    if (a.variant >= 2) {
+    if (a.variant == 4 || a.variant == 5) {
+        require(gptq_gemv_wide_fits(a, 256), "gptq_gemv: this shape cannot use the whole-K kernel");
+        gptq_gemv_lean(a, a.variant == 5);
+        return;
+    }
+    if (a.variant == 2 || a.variant == 3) {
         const int threads = a.variant == 2 ? 256 : 512;
         require(gptq_gemv_wide_fits(a, threads), "gptq_gemv: this shape cannot use the whole-K kernel");
         gptq_gemv_wide(a, threads);
         return;
     }
-    const int variant = a.variant != 0 ? a.variant : choose_gemv(a, sm_count(a.device));
+    int variant = a.variant == 1 ? 1 : choose_gemv(a, sm_count(a.device));
+    if (a.variant == 6 && (variant == 2 || variant == 3)) variant = 4;
+    if (variant >= 4) {
+        gptq_gemv_lean(a, variant == 5);
+        return;
+    }
     if (variant >= 2) {
         gptq_gemv_wide(a, variant == 2 ? 256 : 512);
         return;

@@ -136,10 +136,61 @@ PYBIND11_MODULE(_ext_cuda, m) {
         kc::decode_attention(a);
     });
 
+    m.def("kvq_decode_attention", [](std::uintptr_t q, int q_f16, int out_f16, int64_t q_sb, int64_t q_sh,
+                                     int64_t b, int64_t hq,
+                                     int64_t hkv, int64_t d, std::uintptr_t kd, std::uintptr_t ks, std::uintptr_t vd,
+                                     std::uintptr_t vs, py::tuple kds, py::tuple kss, py::tuple vds, py::tuple vss,
+                                     int k_bits, int v_bits, int64_t seq_len, std::uintptr_t pos_dev, float scale,
+                                     int64_t window, float softcap, std::uintptr_t out, py::tuple ws, int device,
+                                     std::uintptr_t stream) {
+        kc::KvqAttnArgs a{ptr<const void>(q), q_f16, out_f16, q_sb, q_sh, b, hq, hkv, d, ptr<const void>(kd), ptr<const void>(ks),
+                          ptr<const void>(vd), ptr<const void>(vs), at(kds, 0), at(kds, 1), at(kds, 2), at(kss, 0),
+                          at(kss, 1), at(kss, 2), at(vds, 0), at(vds, 1), at(vds, 2), at(vss, 0), at(vss, 1),
+                          at(vss, 2), k_bits, v_bits, seq_len, ptr<const int64_t>(pos_dev), scale, window, softcap,
+                          ptr<void>(out), workspace(ws), device, stream};
+        py::gil_scoped_release release;
+        kc::kvq_decode_attention(a);
+    });
+
+    m.def("kvq_rope_write", [](std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, py::tuple qs, py::tuple ks,
+                               py::tuple vs, int64_t b, int64_t t, int64_t hq, int64_t hkv, int64_t d,
+                               std::uintptr_t cos, std::uintptr_t sin, int cs_dtype, int64_t cos_stride,
+                               int64_t sin_stride, int64_t pos, std::uintptr_t pos_dev, int64_t max_pos,
+                               std::uintptr_t kd, std::uintptr_t kscale, std::uintptr_t vd, std::uintptr_t vscale,
+                               py::tuple kds, py::tuple kss, py::tuple vds, py::tuple vss, int k_bits, int v_bits,
+                               std::uintptr_t q_out, int device, std::uintptr_t stream) {
+        kc::KvqWriteArgs a{ptr<const void>(q), ptr<const void>(k), ptr<const void>(v),
+                           at(qs, 0), at(qs, 1), at(qs, 2), at(ks, 0), at(ks, 1), at(ks, 2), at(vs, 0), at(vs, 1),
+                           at(vs, 2), b, t, hq, hkv, d, ptr<const void>(cos), ptr<const void>(sin), cs_dtype,
+                           cos_stride, sin_stride, pos, ptr<const int64_t>(pos_dev), max_pos, ptr<void>(kd),
+                           ptr<void>(kscale), ptr<void>(vd), ptr<void>(vscale), at(kds, 0), at(kds, 1), at(kds, 2),
+                           at(kss, 0), at(kss, 1), at(kss, 2), at(vds, 0), at(vds, 1), at(vds, 2), at(vss, 0),
+                           at(vss, 1), at(vss, 2), k_bits, v_bits, ptr<void>(q_out), device, stream};
+        py::gil_scoped_release release;
+        kc::kvq_rope_write(a);
+    });
+
     m.def(
         "silu_mul",
         [](std::uintptr_t gate, std::uintptr_t up, int64_t n, std::uintptr_t out, int device, std::uintptr_t stream) {
             kc::silu_mul(ptr<const void>(gate), ptr<const void>(up), n, ptr<void>(out), device, stream);
+        },
+        py::call_guard<py::gil_scoped_release>());
+
+    m.def("ggml_gemv", [](int type, std::uintptr_t w, int64_t row_bytes, int64_t n, int64_t k, std::uintptr_t x,
+                          int64_t x_stride, int64_t rows, std::uintptr_t bias, std::uintptr_t out, int device,
+                          std::uintptr_t stream) {
+        kc::GgmlGemvArgs a{type, ptr<const void>(w), row_bytes, n, k, ptr<const void>(x), x_stride, rows,
+                           ptr<const void>(bias), ptr<void>(out), device, stream};
+        py::gil_scoped_release release;
+        kc::ggml_gemv(a);
+    });
+
+    m.def(
+        "ggml_dequantize",
+        [](int type, std::uintptr_t w, int64_t row_bytes, int64_t n, int64_t k, std::uintptr_t out, int device,
+           std::uintptr_t stream) {
+            kc::ggml_dequantize(type, ptr<const void>(w), row_bytes, n, k, ptr<void>(out), device, stream);
         },
         py::call_guard<py::gil_scoped_release>());
 }

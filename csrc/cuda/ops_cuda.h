@@ -45,12 +45,15 @@ struct GemvArgs {
     Workspace ws;
     int device;
     std::uintptr_t stream;
-    int variant;  // 0: chosen by shape; 1: split-K (gptq.cu); 2, 3: whole-K with 256, 512 threads (gptq_wide.cu)
+    int variant;  // 0: chosen by shape; 1: split-K (gptq.cu); 2, 3: whole-K with 256, 512 threads (gptq_wide.cu);
+                  // 4: whole-K lean, 256 threads (gptq_lean.cu); 5: the same with programmatic dependent launch
 };
 
 void gptq_gemv(const GemvArgs& a);  // M in 1..8, group_size % 8 == 0, N % 4 == 0
 bool gptq_gemv_wide_fits(const GemvArgs& a, int threads);
 void gptq_gemv_wide(const GemvArgs& a, int threads);  // whole-K GEMV; only where gptq_gemv_wide_fits
+// whole-K, fewer instructions per weight; where gptq_gemv_wide_fits(a, 256); pdl: programmatic dependent launch
+void gptq_gemv_lean(const GemvArgs& a, bool pdl);
 
 void gptq_dequantize(const uint32_t* qweight, int64_t k, int64_t n, const void* scales, const void* zeros,
                      int64_t group_size, int64_t groups, void* out, int device, std::uintptr_t stream);
@@ -93,7 +96,67 @@ struct AttnArgs {
 
 void decode_attention(const AttnArgs& a);  // D even, D % 8 == 0, D <= 256
 
+// Decode attention over the 8/4-bit KV cache of kobold_backend/ops/kv_quant.py (kv_quant.cu).
+struct KvqAttnArgs {
+    const void* q;  // [B, Hq, D] fp16 (q_f16) or fp32, last dim contiguous
+    int q_f16, out_f16;
+    int64_t q_sb, q_sh, b, hq, hkv, d;
+    const void* kd; const void* ks;  // K: int8 [B, Hkv, S, D] or nibbles uint8 [B, Hkv, S, D/2]; fp16 scales [.., D/32]
+    const void* vd; const void* vs;  // V: the same
+    int64_t kd_sb, kd_sh, kd_ss, ks_sb, ks_sh, ks_ss, vd_sb, vd_sh, vd_ss, vs_sb, vs_sh, vs_ss;
+    int k_bits, v_bits;
+    int64_t seq_len;
+    const int64_t* pos_dev;  // or null: attend to min(seq_len, *pos_dev + 1) positions (CUDA graphs)
+    float scale;
+    int64_t window;          // > 0: only the last `window` of those positions (sliding window); 0: all
+    float softcap;           // > 0: scores become softcap * tanh(scores / softcap) (Gemma 2); 0: none
+    void* out;  // [B, Hq, D] contiguous, fp16 (out_f16) or fp32
+    Workspace ws;
+    int device;
+    std::uintptr_t stream;
+};
+
+void kvq_decode_attention(const KvqAttnArgs& a);  // D % 32 == 0, D <= 256
+
+struct KvqWriteArgs {
+    const void* q; const void* k; const void* v;  // fp16 [B, T, H, D], last dim contiguous
+    int64_t q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh;
+    int64_t b, t, hq, hkv, d;
+    const void* cos; const void* sin;  // [S, D], fp16 (cs_dtype 1) or fp32 (0)
+    int cs_dtype;
+    int64_t cos_stride, sin_stride, pos;
+    const int64_t* pos_dev;            // or the first position read on the device (CUDA graphs)
+    int64_t max_pos;                   // positions >= max_pos are skipped
+    void* kd; void* ks; void* vd; void* vs;  // the quantized caches (KvqAttnArgs)
+    int64_t kd_sb, kd_sh, kd_ss, ks_sb, ks_sh, ks_ss, vd_sb, vd_sh, vd_ss, vs_sb, vs_sh, vs_ss;
+    int k_bits, v_bits;
+    void* q_out;                       // fp16 [B, T, Hq, D] contiguous
+    int device;
+    std::uintptr_t stream;
+};
+
+void kvq_rope_write(const KvqWriteArgs& a);  // D % 32 == 0
+
 void silu_mul(const void* gate, const void* up, int64_t n, void* out, int device, std::uintptr_t stream);
+
+// GGML block formats (ggml.cu; type codes of ggml_blocks.h): fp16 x and out, fp32 accumulation.
+struct GgmlGemvArgs {
+    int type;
+    const void* w;  // [N, row_bytes] blocks as stored
+    int64_t row_bytes, n, k;
+    const void* x;  // fp16 [M, K], 16-byte aligned rows, row stride x_stride
+    int64_t x_stride, m;
+    const void* bias;  // fp16 [N] or null
+    void* out;         // fp16 [M, N] contiguous
+    int device;
+    std::uintptr_t stream;
+};
+
+void ggml_gemv(const GgmlGemvArgs& a);  // M in 1..8, K a multiple of the block
+
+// out fp16 [N, K] = dequant(w)
+void ggml_dequantize(int type, const void* w, int64_t row_bytes, int64_t n, int64_t k, void* out, int device,
+                     std::uintptr_t stream);
 
 }  // namespace cuda
 }  // namespace kb

@@ -15,12 +15,13 @@ import platform
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 
 from kobold_backend import __version__
 from kobold_backend.bench.checkpoint import PRESETS, write_synthetic_gptq
+from kobold_backend.errors import KoboldBackendError
 
 log = logging.getLogger(__name__)
 
@@ -36,17 +37,55 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="checkpoint folder (default: build a synthetic GPTQ one of --preset's shape)")
     p.add_argument("--preset", default="llama2-7b", choices=sorted(PRESETS), help="shape of the synthetic checkpoint")
     p.add_argument("--act-order", action="store_true", help="synthetic checkpoint with act-order g_idx")
-    p.add_argument("--format", choices=("gptq", "exl2"), default="gptq",
-                   help="format of the synthetic checkpoint: GPTQ 4-bit, or EXL2 at 4.0 bpw (exllamav2's mixed widths)")
+    p.add_argument("--format", choices=("gptq", "exl2", "gguf"), default="gptq",
+                   help="format of the synthetic checkpoint: GPTQ 4-bit, EXL2 at 4.0 bpw (exllamav2's mixed widths) "
+                        "or a Q4_K_M GGUF file (llama shapes; needs `gguf`)")
     p.add_argument("--group-size", type=int_at_least(1), default=128, metavar="N",
                    help="GPTQ group size of the synthetic checkpoint")
     p.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--no-graphs", action="store_true", help="eager decode (debugging)")
     p.add_argument("--compare", action="store_true", help="also measure exllamav2 and transformers fp16")
     p.add_argument("--samplers", action="store_true", help="also time the samplers per token (CPU)")
+    p.add_argument("--speculative", action="store_true",
+                   help="also time speculative decoding: n-gram drafts, the target drafting for itself and, with "
+                        "--draft-preset or --draft-model, a draft model, on repetitive and random text")
+    p.add_argument("--draft-preset", default=None, choices=sorted(PRESETS),
+                   help="shape of a synthetic draft checkpoint for --speculative (e.g. qwen2.5-0.5b for qwen2.5-7b)")
+    p.add_argument("--draft-model", type=existing_path, default=None, metavar="DIR",
+                   help="a real draft checkpoint for --speculative (instead of --draft-preset)")
+    p.add_argument("--draft-tokens", type=int_at_least(1, 16), default=4, metavar="K",
+                   help="tokens drafted per round for --speculative (default 4)")
     p.add_argument("--quick", action="store_true", help="short runs (for tests and tiny models)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE ('-' for stdout)")
+    p.add_argument("--cache-dtype", default="fp16", type=cache_dtype_list, metavar="fp16|q8|q4|k8v4[,...]",
+                   help="KV cache storage (docs/kv-cache.md); with --perplexity a comma-separated list to compare")
+    p.add_argument("--contexts", default=None, type=context_list, metavar="N,N",
+                   help="decode contexts to time (default 128,4000); the cache holds the longest plus 608")
+    p.add_argument("--perplexity", metavar="FILE", type=existing_path,
+                   help="instead of timing: the perplexity of --model on this text file with each --cache-dtype")
     return p
+
+
+def cache_dtype_list(text: str) -> List[str]:
+    """--cache-dtype: one or more of engine/cache.py's CACHE_DTYPES, comma-separated."""
+    from kobold_backend.engine.cache import CACHE_DTYPES
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in CACHE_DTYPES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: use one or more of {', '.join(CACHE_DTYPES)}")
+    return names
+
+
+def context_list(text: str) -> List[int]:
+    """--contexts: positive token counts, comma-separated."""
+    try:
+        values = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use token counts such as 4000,16000") from None
+    if not values or min(values) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: every context must be at least 2 tokens")
+    return values
 
 
 def environment() -> Dict[str, Any]:
@@ -86,9 +125,32 @@ def _compared(bench: Any, path: str) -> Dict[str, Any]:
         return {"skipped": f"failed on this checkpoint ({type(exc).__name__}: {exc})"}
 
 
+def _speculation(args: argparse.Namespace, path: str, tmp: Path, quick: bool) -> Dict[str, Any]:
+    from kobold_backend.bench.speculative_bench import bench_speculation
+
+    draft = args.draft_model
+    if draft is None and args.draft_preset is not None:
+        log.info("writing a synthetic %s GPTQ draft checkpoint", args.draft_preset)
+        draft = str(write_synthetic_gptq(tmp / f"draft-{args.draft_preset}", PRESETS[args.draft_preset],
+                                         args.group_size, seed=1, device="cpu" if args.device == "cpu" else None))
+    log.info("measuring speculative decoding")
+    shape = dict(prompt_length=96, steps=24, max_seq_len=256) if quick else {}
+    return bench_speculation(path, None if draft is None else str(draft), args.device, args.draft_tokens,
+                             use_graphs=not args.no_graphs, **shape)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from kobold_backend.bench.engine_bench import bench_engine
 
+    if args.perplexity:
+        from kobold_backend.bench.perplexity import run_perplexity
+
+        return run_perplexity(args)
+    if len(args.cache_dtype) != 1:
+        log.error("--cache-dtype takes one value when timing (a list only with --perplexity)")
+        return 2
+    if args.format == "gguf":
+        _check_gguf_flags(args)
     quick = args.quick or args.preset.startswith("tiny")
     with tempfile.TemporaryDirectory(prefix="kobold-bench-") as tmp:
         path = args.model
@@ -98,17 +160,23 @@ def run_bench(args: argparse.Namespace) -> int:
             log.info("writing a synthetic %s EXL2 4.0 bpw checkpoint", args.preset)
             path = str(write_synthetic_exl2(Path(tmp) / args.preset, PRESETS[args.preset],
                                             device="cpu" if args.device == "cpu" else None))
-        if path is None:
+        elif path is None and args.format == "gguf":
+            path = str(_synthetic_gguf(Path(tmp), args.preset))
+        elif path is None:
             log.info("writing a synthetic %s GPTQ checkpoint%s", args.preset, " (act-order)" if args.act_order else "")
             path = str(write_synthetic_gptq(Path(tmp) / args.preset, PRESETS[args.preset], args.group_size,
                                             args.act_order, device="cpu" if args.device == "cpu" else None))
         shape = dict(prompt_lengths=(16, 64), contexts=(16, 100), decode_steps=8, chat_context=100, chat_new=10,
                      max_seq_len=256) if quick else {}
+        if args.contexts:
+            shape.update(contexts=tuple(args.contexts), max_seq_len=max(args.contexts) + 608)
         log.info("measuring kobold-backend")
         result: Dict[str, Any] = {"environment": environment(), "preset": None if args.model else args.preset,
-                                  "act_order": args.act_order, "format": args.format, "model": args.model,
+                                  "act_order": args.act_order, "model": args.model,
+                                  "format": None if args.model else args.format,
+                                  "cache_dtype": args.cache_dtype[0],
                                   "kobold_backend": bench_engine(path, args.device, use_graphs=not args.no_graphs,
-                                                                 **shape)}
+                                                                 cache_dtype=args.cache_dtype[0], **shape)}
         if args.compare:
             from kobold_backend.bench.compare import bench_exllamav2, bench_transformers
 
@@ -121,6 +189,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 result["exllamav2"] = result["transformers"] = {"skipped": "no CUDA GPU"}
             result["ratios"] = {name: _ratios(result["kobold_backend"], result[name])
                                 for name in ("exllamav2", "transformers") if "skipped" not in result[name]}
+        if args.speculative:
+            result["speculation"] = _speculation(args, path, Path(tmp), quick)
         if args.samplers:
             from kobold_backend.engine.sampling import benchmark_samplers
 
@@ -132,6 +202,27 @@ def run_bench(args: argparse.Namespace) -> int:
         Path(args.json).write_text(text + "\n")
     sys.stderr.write(format_table(result) + "\n")
     return 0
+
+
+def _check_gguf_flags(args: argparse.Namespace) -> None:
+    """--format gguf's preconditions, checked before anything is written: one sentence each."""
+    if args.model is not None:
+        raise KoboldBackendError("--format gguf writes a synthetic file of --preset's shape; drop it to bench --model")
+    if PRESETS[args.preset].model_type != "llama":
+        raise KoboldBackendError(f"--format gguf writes llama-shaped files; preset {args.preset} is "
+                                 f"{PRESETS[args.preset].model_type} (pick llama2-7b, llama2-13b or llama3-8b)")
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise KoboldBackendError("--format gguf writes the file with llama.cpp's `gguf` package, which is not "
+                                 "installed here (pip install gguf).") from None
+
+
+def _synthetic_gguf(folder: Path, preset: str) -> Path:
+    from kobold_backend.bench.gguf_checkpoint import write_synthetic_gguf
+
+    log.info("writing a synthetic %s Q4_K_M GGUF file", preset)
+    return write_synthetic_gguf(folder / f"{preset}-Q4_K_M.gguf", PRESETS[preset])
 
 
 def format_table(result: Dict[str, Any]) -> str:
@@ -152,8 +243,13 @@ def format_table(result: Dict[str, Any]) -> str:
             lines.append(f"{'':15s} chat turn TTFT {ct['ttft_s'] * 1e3:.1f} ms vs full prefill "
                          f"{ct['full_prefill_s'] * 1e3:.1f} ms")
     kb = result["kobold_backend"]
+    lines.append(f"KV cache {kb.get('cache_dtype', 'fp16')}: {kb['cache_bytes'] / 2**20:,.1f} MiB")
     bandwidth = kb["copy_bandwidth_bytes_per_s"] / 1e12
     lines.append(f"roofline {kb['roofline_tokens_per_s']:,.0f} tok/s at {bandwidth:.2f} TB/s copy bandwidth")
     for other, ratios in result.get("ratios", {}).items():
         lines.append(f"vs {other}: " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))
+    if "speculation" in result:
+        from kobold_backend.bench.speculative_bench import format_speculation
+
+        lines.extend(format_speculation(result["speculation"]))
     return "\n".join(lines)

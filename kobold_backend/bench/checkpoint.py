@@ -48,6 +48,11 @@ PRESETS: Dict[str, Shape] = {
     "qwen2.5-7b": Shape(3584, 18944, 28, 28, 4, 152064, rope_theta=1000000.0, model_type="qwen2",
                         extra_config=(("use_sliding_window", False), ("sliding_window", 131072),
                                       ("max_window_layers", 28))),
+    # Qwen2.5-0.5B: the draft model of Qwen2.5-7B (tied head; its 151936-row vocabulary pads less than the 7B's)
+    "qwen2.5-0.5b": Shape(896, 4864, 24, 14, 2, 151936, rope_theta=1000000.0, model_type="qwen2",
+                          tie_word_embeddings=True, extra_config=(("use_sliding_window", False),
+                                                                  ("sliding_window", 131072),
+                                                                  ("max_window_layers", 24))),
     # Gemma-2-9B: head_dim 256, soft-caps, local/global layers with a 4096 window, 256k vocabulary, tied head
     "gemma2-9b": Shape(3584, 14336, 42, 16, 8, 256000, model_type="gemma2", head_dim=256, tie_word_embeddings=True,
                        extra_config=_GEMMA2),

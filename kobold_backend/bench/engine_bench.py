@@ -28,8 +28,8 @@ def _decode(model: Any, cache: Any, graph: Any, first: int, steps: int) -> List[
 
 def bench_engine(path: str, device: str = "auto", prompt_lengths=(512, 2048), contexts=(128, 4000),
                  decode_steps: int = 128, chat_context: int = 3500, chat_new: int = 50,
-                 use_graphs: bool = True, max_seq_len: int = 4608) -> Dict[str, Any]:
-    lm = load_model(path, device=device, max_seq_len=max_seq_len, with_tokenizer=False)
+                 use_graphs: bool = True, max_seq_len: int = 4608, cache_dtype: str = "fp16") -> Dict[str, Any]:
+    lm = load_model(path, device=device, max_seq_len=max_seq_len, with_tokenizer=False, cache_dtype=cache_dtype)
     model = lm.model
     dev = model.device
     vocab = lm.config.vocab_size
@@ -38,7 +38,7 @@ def bench_engine(path: str, device: str = "auto", prompt_lengths=(512, 2048), co
     cache = model.new_cache()
     graph = GraphDecoder(model, cache) if use_graphs and graphs_supported(model) else None
     result: Dict[str, Any] = {"device": str(dev), "graphs": graph is not None,
-                              "weights_bytes": model.nbytes, "cache_bytes": cache.nbytes}
+                              "weights_bytes": model.nbytes, "cache_bytes": cache.nbytes, "cache_dtype": cache_dtype}
 
     prompt = {}
     for n in prompt_lengths:

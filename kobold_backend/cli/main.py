@@ -48,6 +48,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     lm = load_from_args(args)
     generator = Generator(lm.model, lm.tokenizer)
+    generator.use_speculation(lm.speculation)
     for event in generator.stream(generate_request(args, lm.tokenizer)):
         sys.stdout.write(event.text)
         sys.stdout.flush()
@@ -56,6 +57,8 @@ def run_generate(args: argparse.Namespace) -> int:
     rate = s.completion_tokens / s.decode_seconds if s.decode_seconds > 0 else 0.0
     log.info("%d prompt tokens in %.3f s, %d new tokens at %.1f tokens/s (%s)", s.prompt_tokens,
              s.prefill_seconds, s.completion_tokens, rate, s.finish_reason)
+    if s.speculation is not None:
+        log.info("speculation: %s", s.speculation.describe())
     return 0
 
 

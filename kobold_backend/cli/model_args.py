@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Dict
 
 from kobold_backend.cli.split import add_split_arguments, split_from_args
+from kobold_backend.errors import RequestError
 from kobold_backend.flag_types import device_name, dtype_name, existing_path, float_in, int_at_least
 from kobold_backend.progress import stderr_progress
 
@@ -33,6 +34,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compress-pos-emb", type=float_in(0, above=True), default=1.0,
                         help="linear RoPE compression factor")
     parser.add_argument("--embed-on-cpu", action="store_true", help="keep the embedding table in system RAM")
+    parser.add_argument("--cache-dtype", choices=("fp16", "q8", "q4", "k8v4"), default="fp16",
+                        help="KV cache storage: fp16 (the compute dtype), q8 or q4 (8- or 4-bit groups of 32 with "
+                             "fp16 scales, about 53 %% / 28 %% of fp16 at head size 128), k8v4 (8-bit keys, 4-bit "
+                             "values); see docs/kv-cache.md")
+    parser.add_argument("--speculative", choices=("off", "ngram", "draft"), default=None,
+                        help="speculative decoding: ngram (prompt lookup, no second model) or draft (needs "
+                             "--draft-model, which implies it); default off")
+    parser.add_argument("--draft-model", type=existing_path, default=None, metavar="DIR",
+                        help="a small model with the same tokenizer that drafts tokens for the target to verify")
+    parser.add_argument("--draft-tokens", type=int_at_least(1, 16), default=None, metavar="K",
+                        help="tokens drafted per round (default: 4 with a draft model, 5 with ngram)")
     add_split_arguments(parser)
 
 
@@ -56,5 +68,22 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
         embed_on_cpu=args.embed_on_cpu,
         rope_alpha=args.rope_alpha,
         compress_pos_emb=args.compress_pos_emb,
+        cache_dtype=args.cache_dtype,
         progress=stderr_progress("loading"),
+        **speculation_kwargs(args),
     )
+
+
+def speculation_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    """load_model's speculative-decoding keywords from the flags (none when the flags are not given)."""
+    kwargs: Dict[str, Any] = {}
+    if args.draft_model is not None and args.speculative not in (None, "draft"):
+        raise RequestError(f"--draft-model goes with --speculative draft, not {args.speculative}", "draft_model")
+    if args.speculative is not None:
+        kwargs["speculative"] = args.speculative
+    if args.draft_model is not None:
+        kwargs["draft_model"] = str(args.draft_model)
+        kwargs.setdefault("speculative", "draft")
+    if args.draft_tokens is not None:
+        kwargs["draft_tokens"] = args.draft_tokens
+    return kwargs

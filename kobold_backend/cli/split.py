@@ -84,6 +84,7 @@ def split_from_args(
         embed_on_cpu=bool(getattr(args, "embed_on_cpu", False)),
         dtype=getattr(args, "dtype", None),
         probe=probe,
+        cache_dtype=getattr(args, "cache_dtype", None) or "fp16",
     )
     if plan is None:
         return None

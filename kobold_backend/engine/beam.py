@@ -13,6 +13,7 @@ from typing import Iterator, List, Sequence, Tuple
 
 import torch
 
+from kobold_backend.engine.cache import buffer_bytes
 from kobold_backend.engine.lane import Lane
 
 
@@ -89,7 +90,7 @@ class BeamSearch:
                     candidates.append((beam.score + value, index, token, value))
         candidates.sort(key=lambda c: -c[0])
         self.beams = [self._extend(self.beams[i], token, lp) for _, i, token, lp in candidates[: self.num_beams]]
-        size = sum(t.numel() * t.element_size() for b in self.beams for t in b.k + b.v)
+        size = sum(buffer_bytes(t) for b in self.beams for t in b.k + b.v)
         self.peak_beam_bytes = max(self.peak_beam_bytes, size)
 
     def _commit(self) -> int:

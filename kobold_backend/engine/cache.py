@@ -1,16 +1,63 @@
-"""The KV cache: per-layer K/V buffers allocated once, filled in place, never grown by concatenation."""
+"""The KV cache: per-layer K/V buffers allocated once, filled in place, never grown by concatenation.
+
+K and V are kept in the layer's dtype ('fp16', the default) or quantized to 8 or 4 bits (ops/kv_quant.py: groups
+of 32 values per position and head, Hadamard-rotated, one fp16 scale each); keys and values may differ.
+"""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from kobold_backend.errors import OutOfContextError
+from kobold_backend.ops.kv_quant import BITS, QuantizedKV, bytes_per_vector
+
+# --cache-dtype: (keys, values). 'k8v4' keeps the keys, which attention is more sensitive to, at 8 bits.
+CACHE_DTYPES: Dict[str, Tuple[str, str]] = {
+    "fp16": ("fp16", "fp16"),
+    "q8": ("q8", "q8"),
+    "q4": ("q4", "q4"),
+    "k8v4": ("q8", "q4"),
+}
+
+
+def cache_schemes(cache_dtype: str) -> Tuple[str, str]:
+    """The (key, value) schemes of a --cache-dtype name, or ValueError naming the choices."""
+    try:
+        return CACHE_DTYPES[cache_dtype]
+    except KeyError:
+        raise ValueError(f"cache dtype must be one of {', '.join(CACHE_DTYPES)}, not {cache_dtype!r}") from None
+
+
+def check_cache_dtype(cache_dtype: str, head_dim: int) -> None:
+    """Refuse a quantized cache for a head size the 32-value groups do not divide."""
+    if cache_schemes(cache_dtype) != ("fp16", "fp16") and head_dim % 32:
+        raise ValueError(f"--cache-dtype {cache_dtype} needs a head size that is a multiple of 32; this model's is "
+                         f"{head_dim}: use --cache-dtype fp16")
+
+
+def cache_bytes_per_token(cache_dtype: str, num_kv_heads: int, head_dim: int, elem: int) -> int:
+    """Bytes of K and V one position takes in one layer (`elem`: bytes of the layer's dtype)."""
+    k, v = cache_schemes(cache_dtype)
+    return num_kv_heads * (bytes_per_vector(k, head_dim, elem) + bytes_per_vector(v, head_dim, elem))
+
+
+def _buffer(shape: Tuple[int, int, int, int], scheme: str, dtype: torch.dtype, device: Any) -> Any:
+    if scheme in BITS:
+        return QuantizedKV.empty(shape, BITS[scheme], dtype, device)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def buffer_bytes(t: Any) -> int:
+    """Bytes of one K or V buffer (a tensor or a QuantizedKV) or a view of one."""
+    return t.nbytes if isinstance(t, QuantizedKV) else t.numel() * t.element_size()
 
 
 class KVCache:
     """K and V of every layer as [batch, kv_heads, max_seq_len, head_dim], plus the ids they hold.
+
+    `cache_dtype` (a CACHE_DTYPES name) makes the buffers QuantizedKV, indexed and copied like those tensors.
 
     `seq_len` is how many positions are valid; `tokens` are the ids at those positions (batch row 0),
     kept by the generator so a new prompt can reuse the common prefix.
@@ -25,20 +72,23 @@ class KVCache:
         head_dim: int,
         dtypes: Sequence[torch.dtype],
         devices: Sequence[torch.device | str],
+        cache_dtype: str = "fp16",
     ) -> None:
         if max_seq_len < 1:
             raise ValueError("max_seq_len must be at least 1")
         self.max_seq_len = max_seq_len
         self.batch_size = batch_size
+        self.cache_dtype = cache_dtype
+        k_scheme, v_scheme = cache_schemes(cache_dtype)
         shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
-        self.k: List[torch.Tensor] = [torch.zeros(shape, dtype=dtypes[i], device=devices[i]) for i in range(num_layers)]
-        self.v: List[torch.Tensor] = [torch.zeros(shape, dtype=dtypes[i], device=devices[i]) for i in range(num_layers)]
+        self.k: List[Any] = [_buffer(shape, k_scheme, dtypes[i], devices[i]) for i in range(num_layers)]
+        self.v: List[Any] = [_buffer(shape, v_scheme, dtypes[i], devices[i]) for i in range(num_layers)]
         self.seq_len = 0
         self.tokens: List[int] = []
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(buffer_bytes(t) for t in self.k + self.v)
 
     def reserve(self, n: int) -> int:
         """Check that n more positions fit; returns the position they start at."""
@@ -75,6 +125,7 @@ class KVCache:
         twin = KVCache.__new__(KVCache)
         twin.max_seq_len = self.max_seq_len
         twin.batch_size = self.batch_size
+        twin.cache_dtype = self.cache_dtype
         twin.k = [t.clone() for t in self.k]
         twin.v = [t.clone() for t in self.v]
         twin.seq_len = self.seq_len

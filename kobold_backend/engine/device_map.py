@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from kobold_backend.engine.cache import cache_bytes_per_token
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.loader import DEFAULT_MAX_SEQ_LEN, resolve_dtype
 from kobold_backend.engine.weights import WeightReader
@@ -86,12 +87,14 @@ class Sizes:
 
     The in-memory layout is counted, not the file: dense weights and GPTQ scales in the compute dtype (float32
     on the CPU), qweight int32 (4 bits per weight), GPTQ zeros unpacked to [groups, N] in the compute dtype,
-    an int64 row permutation per act-order linear, g_idx dropped.
+    an int64 row permutation per act-order linear, g_idx dropped (a down_proj's moves to its layer as `mlp_perm`
+    when engine/mlp_fold.py folds it into gate/up: the same bytes).
     """
 
     def __init__(self, config: ModelConfig, shapes: Shapes, max_seq_len: int, batch_size: int = 1,
-                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, cache_dtype: str = "fp16") -> None:
         self.config = config
+        self.cache_dtype = cache_dtype
         self.shapes = shapes
         self.max_seq_len = max_seq_len
         self.batch_size = batch_size
@@ -118,7 +121,8 @@ class Sizes:
         total = k8 * n * 4 + 2 * groups * n * elem  # qweight, scales, unpacked zeros
         assert self.config.quant is not None
         if self.config.quant.desc_act and f"{prefix}.g_idx" in self.shapes:
-            total += k8 * 8 * 8  # int64 row permutation
+            # int64 row permutation, one per in_features (qweight packs 8 or 4 rows per word: count g_idx)
+            total += _numel(self._shape(f"{prefix}.g_idx")) * 8
         return total + extra
 
     def _exl2(self, prefix: str) -> int:
@@ -145,9 +149,10 @@ class Sizes:
         return total
 
     def cache(self, elem: int) -> int:
-        """K and V of one layer for max_seq_len positions (the cache dtype is the layer's dtype)."""
+        """K and V of one layer for max_seq_len positions, in the layer's dtype (`elem` bytes) or quantized."""
         c = self.config
-        return 2 * self.batch_size * c.num_kv_heads * self.max_seq_len * c.head_dim * elem
+        per_token = cache_bytes_per_token(self.cache_dtype, c.num_kv_heads, c.head_dim, elem)
+        return self.batch_size * self.max_seq_len * per_token
 
     def rope(self, elem: int) -> int:
         """The cos and sin tables, once per device holding layers and per distinct RoPE (Gemma 3 has two)."""
@@ -175,6 +180,8 @@ class Sizes:
         qd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         acts = b * t * (4 * c.hidden_size + 3 * qd + 2 * kvd + 3 * c.intermediate_size) * elem
         gqa = 2 * b * c.num_heads * self.max_seq_len * c.head_dim * elem if c.num_heads != c.num_kv_heads else 0
+        if self.cache_dtype != "fp16":  # a chunk dequantizes the attended K and V (float32, then the dtype)
+            gqa += 2 * b * c.num_kv_heads * self.max_seq_len * c.head_dim * (8 + elem)
         dq = 0
         for name, shape in self.shapes.items():
             if name.startswith("model.layers.0.") and name.endswith(".qweight") and self.config.quant is not None:
@@ -275,6 +282,7 @@ class DeviceMap:
     gpu_dtype: torch.dtype
     usage: List[DeviceUsage]
     name: str = "model"
+    cache_dtype: str = "fp16"
 
     @property
     def uniform(self) -> bool:
@@ -288,13 +296,13 @@ class DeviceMap:
         """Keyword arguments of kobold_backend.engine.loader.load_model that realise this plan."""
         return {"device": self.head_device, "layer_devices": None if self.uniform else list(self.layer_devices),
                 "embed_on_cpu": self.embed_device == "cpu" and self.head_device != "cpu",
-                "max_seq_len": self.max_seq_len}
+                "max_seq_len": self.max_seq_len, "cache_dtype": self.cache_dtype}
 
     def describe(self) -> str:
         """A printable table: per device the layer range, weight, cache and buffer GiB, budget and free GiB."""
         n = len(self.layer_devices)
         dt = str(self.gpu_dtype).replace("torch.", "")
-        lines = [f"layer split of {self.name}: {n} layers, {self.max_seq_len}-token cache, "
+        lines = [f"layer split of {self.name}: {n} layers, {self.max_seq_len}-token {self.cache_dtype} cache, "
                  f"{dt} on GPUs, float32 on the CPU"]
         header = ("device", "layers", "weights", "cache", "buffers", "total", "budget", "free")
         rows = [header]
@@ -347,6 +355,7 @@ def plan_device_map(
     dtype: Optional[str] = None,
     batch_size: int = 1,
     shapes: Optional[Shapes] = None,
+    cache_dtype: str = "fp16",
 ) -> DeviceMap:
     """Place every decoder layer on a device, or raise PlanError before anything is loaded.
 
@@ -364,7 +373,7 @@ def plan_device_map(
     n_layers = config.num_layers
     seq = max_seq_len or min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     gpu_dtype = resolve_dtype(dtype, torch.device("cuda"), config)
-    sizes = Sizes(config, shapes, seq, batch_size)
+    sizes = Sizes(config, shapes, seq, batch_size, cache_dtype=cache_dtype)
     limits: Dict[str, int] = {}
     for key, gb in (budgets or {}).items():
         if gb is None or not gb >= 0:
@@ -490,7 +499,7 @@ def _account(sizes: Sizes, layer_devices: List[str], head: str, embed_on_cpu: bo
         if _pool(d) == d:
             u.budget = limits.get(d)
     return DeviceMap(layer_devices=layer_devices, head_device=head, embed_device=embed_dev, max_seq_len=seq,
-                     gpu_dtype=gpu_dtype, usage=list(usage.values()), name=name)
+                     gpu_dtype=gpu_dtype, usage=list(usage.values()), name=name, cache_dtype=sizes.cache_dtype)
 
 
 def _check(dm: DeviceMap, sizes: Sizes) -> None:
@@ -570,14 +579,15 @@ def plan_split(
     embed_on_cpu: bool = False,
     dtype: Optional[str] = None,
     probe: Optional[HardwareProbe] = None,
+    cache_dtype: str = "fp16",
 ) -> Optional[DeviceMap]:
     """The plan asked for by load options, checked against this machine's free memory; None when nothing asks
     for a split. Either `layer_counts` (device -> layers, e.g. United's per-GPU sliders), or `gpu_split` ("auto"
     or GB per GPU) and/or `cpu_layers` (N or "auto") with `device` naming the main GPU. Budgets come from
     `probe` (default: this machine) for every device not given one. The plan is logged; PlanError names the
-    device and the shortfall when it cannot fit."""
+    device and the shortfall when it cannot fit. `cache_dtype` (engine/cache.py) sizes the KV cache."""
     plan = _plan_split(folder, max_seq_len, layer_counts, gpu_split, cpu_layers, device.strip().lower(),
-                       embed_on_cpu, dtype or None, probe)
+                       embed_on_cpu, dtype or None, probe, cache_dtype)
     if plan is not None:
         log.info("%s", plan.describe())
     return plan
@@ -586,7 +596,7 @@ def plan_split(
 def _plan_split(
     folder: Union[str, Path], max_seq_len: Optional[int], counts: Optional[Mapping[str, int]],
     gpu_split: Union[str, Mapping[str, float], None], cpu_layers: Union[int, str, None], device: str,
-    embed_on_cpu: bool, dtype: Optional[str], probe: Optional[HardwareProbe],
+    embed_on_cpu: bool, dtype: Optional[str], probe: Optional[HardwareProbe], cache_dtype: str = "fp16",
 ) -> Optional[DeviceMap]:
     if counts is None and gpu_split is None and cpu_layers is None:
         return None
@@ -599,7 +609,7 @@ def _plan_split(
         _require_gpus([normalize_device(d) for d, c in counts.items() if c > 0 and _is_gpu(normalize_device(d))],
                       n_gpus)
         return plan_device_map(folder, budgets, max_seq_len, layer_counts=counts, embed_on_cpu=embed_on_cpu,
-                               dtype=dtype)
+                               dtype=dtype, cache_dtype=cache_dtype)
     if device == "cpu":
         if gpu_split is not None:
             raise PlanError("--gpu-split was given with --device cpu; drop one of them")
@@ -613,7 +623,7 @@ def _plan_split(
         budgets = {k: v for k, v in machine.items() if k in (main, "cpu")}
         if cpu_layers == "auto":
             return plan_device_map(folder, budgets, max_seq_len, cpu_layers="auto", embed_on_cpu=embed_on_cpu,
-                                   head_device=main, dtype=dtype)
+                                   head_device=main, dtype=dtype, cache_dtype=cache_dtype)
         assert isinstance(cpu_layers, int)
         config = ModelConfig.from_dir(folder)
         n_cpu = cpu_layers
@@ -621,7 +631,7 @@ def _plan_split(
             raise PlanError(f"--cpu-layers {n_cpu} but the model has {config.num_layers} layers")
         layer_counts = {"cpu": n_cpu, main: config.num_layers - n_cpu}
         return plan_device_map(folder, budgets, max_seq_len, layer_counts=layer_counts, embed_on_cpu=embed_on_cpu,
-                               head_device=main, dtype=dtype)
+                               head_device=main, dtype=dtype, cache_dtype=cache_dtype)
     if gpu_split == "auto":
         if not n_gpus:
             raise PlanError("--gpu-split auto was given but torch sees no CUDA GPU")
@@ -635,7 +645,7 @@ def _plan_split(
     if head is not None and head not in budgets:
         raise PlanError(f"--device {device} is not one of the GPUs in --gpu-split ({', '.join(sorted(budgets))})")
     return plan_device_map(folder, budgets, max_seq_len, cpu_layers=cpu_layers, embed_on_cpu=embed_on_cpu,
-                           head_device=head, dtype=dtype)
+                           head_device=head, dtype=dtype, cache_dtype=cache_dtype)
 
 
 def _require_gpus(devices: Sequence[str], n_gpus: int) -> None:

@@ -7,6 +7,7 @@ and stops on EOS, length, a stop string or an abort.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -23,11 +24,20 @@ from kobold_backend.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token
 from kobold_backend.engine.model import Model
 from kobold_backend.engine.request import GenerationRequest
 from kobold_backend.engine.sampling import Sampler
+from kobold_backend.engine.speculative import (
+    SpeculationConfig,
+    SpeculationStats,
+    Speculator,
+    new_speculator,
+    start_speculation,
+)
 from kobold_backend.engine.tokenizer import Tokenizer, complete_utf8_prefix
 from kobold_backend.errors import OutOfContextError, RequestError
 
 if TYPE_CHECKING:
     from kobold_backend.engine.passthrough.base import ForwardHooks
+
+log = logging.getLogger(__name__)
 
 MAX_BAN_REWINDS = 64
 MAX_BEAMS = 16
@@ -71,6 +81,7 @@ class GenerationStats:
     finish_reason: str = ""
     seed: Optional[int] = None
     total_generations: int = 0
+    speculation: Optional[SpeculationStats] = None  # None when the model was loaded without speculation
 
 
 @dataclass
@@ -189,12 +200,17 @@ class Generator:
         self.tokenizer = tokenizer
         self.use_graphs = graphs_supported(model) if use_graphs is None else use_graphs
         self.lane = Lane(model, cache if cache is not None else model.new_cache(), self.use_graphs)
+        self.speculator: Optional[Speculator] = None
         self.cfg_lane: Optional[Lane] = None
         self.last_beam_search: Optional[BeamSearch] = None
         self.lock = threading.Lock()
         self.stats = GenerationStats()
         self.context_shift = True
         self._char_bans: Dict[str, Tuple[int, ...]] = {}
+
+    def use_speculation(self, config: Optional[SpeculationConfig]) -> None:
+        """Decode speculatively as `config` says from the next request on (None: plainly)."""
+        self.speculator = new_speculator(config, self.lane, self.model.config.vocab_size, self.use_graphs)
 
     @property
     def cache(self) -> KVCache:
@@ -354,6 +370,10 @@ class Generator:
         sampler = Sampler(req.settings, self.model.config.vocab_size, logits.device, seed=req.seed,
                           token_texts=self.tokenizer.token_strings(), banned=banned)
         sampler.begin(prompt)
+        spec, spec_stats = start_speculation(
+            self.speculator, prompt, budget, sampler, self.tokenizer.token_strings(), self.context_shift,
+            passthrough=req.passthrough is not None, negative_prompt=guide is not None, beams=req.num_beams > 1)
+        driver = self.lane if spec is None else spec  # the target's decode steps and rewinds
         beams = None
         if req.num_beams > 1:
             self.last_beam_search = BeamSearch(self.lane, logits, req.num_beams, req.beam_length, banned)
@@ -383,7 +403,7 @@ class Generator:
                     if req.grammar is not None:
                         # -inf where the grammar rejects the token; it takes the position bans too
                         scores = req.grammar.constrain(scores, extra or ())
-                    token = sampler.sample(scores)
+                    token = sampler.sample(scores) if spec is None else spec.pick(sampler, scores)
                     sampler.accept(token)
                     if req.logprobs is not None:
                         logprobs.append(token_logprobs(logits, token, req.logprobs))
@@ -408,7 +428,7 @@ class Generator:
                         tracker.truncate(start)
                         del generated[start:]
                         del logprobs[start:]
-                        logits = self.lane.rewind_to(len(prompt) + start, req.passthrough)
+                        logits = driver.rewind_to(len(prompt) + start, req.passthrough)
                         if guide is not None:
                             guide_logits = guide.rewind_to(len(req.negative_prompt_ids) + start, guide_passthrough)
                         continue
@@ -426,7 +446,7 @@ class Generator:
                     break
                 if beams is not None:
                     continue
-                logits = self.lane.step(token, req.passthrough)
+                logits = driver.step(token, req.passthrough)
                 if guide is not None:
                     guide_logits = guide.step(token, guide_passthrough)
             tail = "" if reason == "stop_string" else tracker.take(len(tracker.buf))
@@ -436,8 +456,10 @@ class Generator:
             self.stats = GenerationStats(
                 prompt_tokens=len(prompt), reused_tokens=reuse, completion_tokens=len(generated),
                 prefill_seconds=t1 - t0, decode_seconds=t2 - t1, finish_reason=reason, seed=sampler.seed,
-                total_generations=self.stats.total_generations + 1,
+                total_generations=self.stats.total_generations + 1, speculation=spec_stats,
             )
+            if spec_stats is not None:
+                log.info("speculation: %s", spec_stats.describe())
 
 
 def _guide_view(passthrough: Optional[ForwardHooks]) -> Optional[ForwardHooks]:

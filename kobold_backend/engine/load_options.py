@@ -3,7 +3,8 @@ plugin and by the server's web page alike), and their conversion into load_model
 split planned against free memory by kobold_backend.engine.device_map.
 
 Parameter ids: "valid_layers" (the "Valid Display" total), "<i>_Layers" per CUDA device, "CPU_Layers",
-"max_ctx", "compress_emb", "ntk_alpha", "cache_dtype", "embed_on_cpu". Saved settings use the same ids.
+"max_ctx", "compress_emb", "ntk_alpha", "cache_dtype" (the compute dtype), "kv_cache" (the KV cache's storage:
+fp16, q8, q4, k8v4), "embed_on_cpu", "speculative", "draft_model", "draft_tokens". Saved settings use the same ids.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.device_map import HardwareProbe, plan_split
+from kobold_backend.engine.speculative import MAX_DRAFT_TOKENS
 from kobold_backend.errors import KoboldBackendError, RequestError
 
 CPU_LAYERS = "CPU_Layers"
@@ -24,6 +26,18 @@ CACHE_DTYPES = (
     ("float16", "16-bit float (float16)"),
     ("bfloat16", "16-bit brain float (bfloat16)"),
     ("float32", "32-bit float (float32, CPU-sized memory)"),
+)
+SPECULATIVE_MODES = (
+    ("off", "Off"),
+    ("ngram", "Prompt lookup (n-gram drafts, no second model)"),
+    ("draft", "Draft model (the folder below; same tokenizer)"),
+)
+NO_DRAFT = "none"  # the draft-folder field's empty value (United refuses a parameter whose default is "")
+KV_CACHES = (
+    ("fp16", "16-bit (the compute dtype; largest, exact)"),
+    ("q8", "8-bit (about half the memory; near-lossless)"),
+    ("k8v4", "8-bit keys, 4-bit values (about 40 % of 16-bit)"),
+    ("q4", "4-bit (about a quarter of the memory; small quality loss)"),
 )
 CTX_STEP = 256
 DEFAULT_CTX_CAP = 8192
@@ -206,6 +220,20 @@ def requested_parameters(
         "extra_classes": "",
         "refresh_model_inputs": False,
     })
+    kv = str(saved.get("kv_cache", "fp16"))
+    params.append({
+        "uitype": "dropdown",
+        "unit": "text",
+        "label": "KV cache quantization",
+        "id": "kv_cache",
+        "default": kv if kv in dict(KV_CACHES) else "fp16",
+        "tooltip": ("How the KV cache stores keys and values: 8- or 4-bit groups of 32 with fp16 scales fit a "
+                    "longer context in the same memory (like exllamav2's Q8/Q4 cache or KoboldCpp's --quantkv)."),
+        "children": [{"text": text, "value": value} for value, text in KV_CACHES],
+        "menu_path": MENU_CONFIG,
+        "extra_classes": "",
+        "refresh_model_inputs": False,
+    })
     params.append({
         "uitype": "toggle",
         "unit": "bool",
@@ -217,7 +245,34 @@ def requested_parameters(
         "extra_classes": "",
         "refresh_model_inputs": False,
     })
+    params.extend(_speculation_parameters(saved))
     return params
+
+
+def _speculation_parameters(saved: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The speculative-decoding entries: mode, draft model folder, tokens drafted per round."""
+    mode = str(saved.get("speculative", "off"))
+    tokens = saved.get("draft_tokens", 0)
+    try:
+        tokens = max(0, min(MAX_DRAFT_TOKENS, _as_int(tokens, "draft_tokens")))
+    except RequestError:
+        tokens = 0
+    common = {"menu_path": MENU_CONFIG, "extra_classes": "", "refresh_model_inputs": False}
+    return [
+        dict(common, uitype="dropdown", unit="text", label="Speculative decoding", id="speculative",
+             default=mode if mode in dict(SPECULATIVE_MODES) else "off",
+             tooltip="Draft several tokens cheaply and let the model check them in one pass: same output "
+                     "distribution, faster when the drafts are often right (repetitive text, a good draft model).",
+             children=[{"text": text, "value": value} for value, text in SPECULATIVE_MODES]),
+        dict(common, uitype="text", unit="text", label="Draft model folder", id="draft_model",
+             default=str(saved.get("draft_model", "") or NO_DRAFT),
+             tooltip="For 'Draft model': a small model with the same tokenizer (e.g. a 0.5B of the same family); "
+                     f"on the server's web page, a model name from its models folder. '{NO_DRAFT}': no draft."),
+        dict(common, uitype="slider", unit="int", label="Draft tokens per round (0 = default)", id="draft_tokens",
+             min=0, max=MAX_DRAFT_TOKENS, step=1, default=tokens,
+             tooltip="How many tokens are drafted before the model checks them (default 4 with a draft model, "
+                     "5 with prompt lookup)."),
+    ]
 
 
 def _float_slider(
@@ -258,6 +313,8 @@ class LoadOptions:
     embed_on_cpu: bool
     values: Dict[str, Any]
     layer_counts: Dict[str, int]
+    cache_dtype: str = "fp16"
+    speculation: Optional[Dict[str, Any]] = None  # load_model's speculative / draft_model / draft_tokens
 
     def load_kwargs(self) -> Dict[str, Any]:
         return {
@@ -268,6 +325,8 @@ class LoadOptions:
             "compress_pos_emb": self.compress_pos_emb,
             "dtype": self.dtype,
             "embed_on_cpu": self.embed_on_cpu,
+            "cache_dtype": self.cache_dtype,
+            **(self.speculation or {}),  # only when submitted: else the server's own flags stay
         }
 
 
@@ -310,9 +369,22 @@ def load_options(
     dtype = str(values.get("cache_dtype", "auto"))
     if dtype not in dict(CACHE_DTYPES):
         raise RequestError(f"cache_dtype must be one of {', '.join(dict(CACHE_DTYPES))}", "cache_dtype")
+    kv = str(values.get("kv_cache", "fp16"))
+    if kv not in dict(KV_CACHES):
+        raise RequestError(f"kv_cache must be one of {', '.join(dict(KV_CACHES))}", "kv_cache")
+    if kv != "fp16" and config.head_dim % 32:
+        raise RequestError(f"kv_cache {kv} needs a head size that is a multiple of 32; this model's is "
+                           f"{config.head_dim}", "kv_cache")
     embed_on_cpu = _as_bool(values.get("embed_on_cpu", False))
+    speculation = _speculation_values(values)
+    spec_kwargs: Optional[Dict[str, Any]] = None
+    if speculation["speculative"] != "off":
+        spec_kwargs = speculation
+    elif "speculative" in values:  # an explicit "off" also switches off what the server was started with
+        spec_kwargs = {"speculative": "off"}
     saved = dict(split, max_ctx=max_ctx, compress_emb=compress, ntk_alpha=alpha, cache_dtype=dtype,
-                 embed_on_cpu=embed_on_cpu)
+                 kv_cache=kv, embed_on_cpu=embed_on_cpu, speculative=speculation["speculative"],
+                 draft_model=speculation.get("draft_model", NO_DRAFT), draft_tokens=speculation["draft_tokens"])
     uniform = len(set(layer_devices)) <= 1
     return LoadOptions(
         device=main,
@@ -323,9 +395,28 @@ def load_options(
         dtype=None if dtype == "auto" else dtype,
         embed_on_cpu=embed_on_cpu,
         values=saved,
+        cache_dtype=kv,
+        speculation=spec_kwargs,
         layer_counts={("cpu" if key == CPU_LAYERS else f"cuda:{key[: -len('_Layers')]}"): count
                       for key, count in split.items()},
     )
+
+
+def _speculation_values(values: Dict[str, Any]) -> Dict[str, Any]:
+    """speculative / draft_model / draft_tokens from submitted values, checked (RequestError names the field)."""
+    mode = str(values.get("speculative", "off") or "off")
+    if mode not in dict(SPECULATIVE_MODES):
+        raise RequestError(f"speculative must be one of {', '.join(dict(SPECULATIVE_MODES))}", "speculative")
+    tokens = _as_int(values.get("draft_tokens", 0) or 0, "draft_tokens")
+    if not 0 <= tokens <= MAX_DRAFT_TOKENS:
+        raise RequestError(f"draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}", "draft_tokens")
+    out: Dict[str, Any] = {"speculative": mode, "draft_tokens": tokens}
+    if mode == "draft":
+        folder = str(values.get("draft_model", "") or "").strip()
+        if folder in ("", NO_DRAFT):
+            raise RequestError("speculative decoding with a draft model needs the draft model folder", "draft_model")
+        out["draft_model"] = folder
+    return out
 
 
 def planned_load_options(
@@ -338,7 +429,8 @@ def planned_load_options(
     shortfall; CPU layers come first, norm and lm_head go on the first GPU given layers."""
     options = load_options(values, ModelConfig.from_dir(folder), gpus)
     plan = plan_split(folder, options.max_seq_len, layer_counts=options.layer_counts,
-                      embed_on_cpu=options.embed_on_cpu, dtype=options.dtype, probe=probe)
+                      embed_on_cpu=options.embed_on_cpu, dtype=options.dtype, probe=probe,
+                      cache_dtype=options.cache_dtype)
     if plan is not None:
         options.device = plan.head_device
         options.layer_devices = None if plan.uniform else list(plan.layer_devices)

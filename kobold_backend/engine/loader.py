@@ -6,17 +6,20 @@ import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from kobold_backend.engine.architectures import RopeSpec
 from kobold_backend.engine.awq import load_awq_linear
+from kobold_backend.engine.cache import cache_bytes_per_token, cache_schemes, check_cache_dtype
 from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.drafters import check_draft_tokenizer
 from kobold_backend.engine.exl2 import is_exl2_linear, load_exl2_linear, with_exl2_detected
 from kobold_backend.engine.gguf.checkpoint import open_gguf
 from kobold_backend.engine.gguf.weights import GGUFWeights
 from kobold_backend.engine.gptq import load_gptq_linear
+from kobold_backend.engine.mlp_fold import fold_down_permutation
 from kobold_backend.engine.model import Layer, Model, Weight
 from kobold_backend.engine.rope import cos_sin_tables
 from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
@@ -26,6 +29,9 @@ from kobold_backend.errors import ModelFormatError
 from kobold_backend.ops.exl2_weight import EXL2Weight
 from kobold_backend.ops.ggml import GGMLWeight
 from kobold_backend.ops.gptq_weight import GPTQWeight
+
+if TYPE_CHECKING:
+    from kobold_backend.engine.speculative import SpeculationConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +52,13 @@ class LoadedModel:
     path: Path
     name: str
     weight_format: Optional[WeightFormat] = None
+    speculation: Optional[SpeculationConfig] = None  # how the Generator speculates (engine/speculative.py)
+    draft: Optional[LoadedModel] = None  # the draft model of speculative decoding, unloaded with this one
 
     def unload(self) -> None:
+        if self.draft is not None:
+            self.draft.unload()
+            self.draft = None
         devices = {layer.device for layer in self.model.layers} | {self.model.device}
         self.model.layers.clear()
         self.model.embed_tokens = self.model.norm = self.model.lm_head = None  # type: ignore[assignment]
@@ -92,13 +103,25 @@ def load_model(
     layer_devices: Optional[Sequence[str]] = None,
     progress: Optional[Progress] = None,
     with_tokenizer: bool = True,
+    cache_dtype: str = "fp16",
+    speculative: str = "off",
+    draft_model: Optional[Union[str, Path]] = None,
+    draft_tokens: int = 0,
 ) -> LoadedModel:
     """Load a checkpoint of a registered architecture from a folder (dense or GPTQ 4-bit) or a GGUF file.
 
     `layer_devices` places each decoder layer (one entry per layer); otherwise all go to `device`.
-    `with_tokenizer=False` skips the tokenizer (benchmarks on synthetic checkpoints).
+    `with_tokenizer=False` skips the tokenizer (benchmarks on synthetic checkpoints). `cache_dtype` is the KV
+    cache's storage (engine/cache.py CACHE_DTYPES: fp16 = the layers' dtype, q8, q4, k8v4).
+    `speculative` ("off", "ngram", "draft") with `draft_model` and `draft_tokens`: see engine/speculative.py; the
+    draft model (ignored when off) goes on the head's device with the target's dtype and context, and must share
+    the tokenizer.
     """
+    from kobold_backend.engine.speculative import check_speculation
+
+    check_speculation(speculative, draft_model, draft_tokens)
     folder = Path(path)
+    cache_schemes(cache_dtype)
     reader: Union[WeightReader, GGUFWeights]
     if folder.suffix == ".gguf" and folder.is_file():
         config, tokenizer, reader = open_gguf(folder, with_tokenizer)
@@ -108,6 +131,9 @@ def load_model(
         reader = WeightReader(folder)
         config = with_exl2_detected(config, reader.names())
     with reader:
+        if speculative == "draft" and draft_model is not None and tokenizer is not None:
+            draft = Path(draft_model)
+            check_draft_tokenizer(tokenizer, _draft_tokenizer(draft), f"The draft model {draft.name}")
         main = resolve_device(device)
         compute_dtype = resolve_dtype(dtype, main, config)
         if layer_devices is not None and len(layer_devices) != config.num_layers:
@@ -116,15 +142,57 @@ def load_model(
         if seq_len < 1:
             raise ValueError(f"max_seq_len must be at least 1, not {seq_len}")
         check_against_headers(config, reader)
+        check_cache_dtype(cache_dtype, config.head_dim)
         per_layer = [resolve_device(d) for d in layer_devices] if layer_devices else [main] * config.num_layers
-        check_cache_memory(config, per_layer, compute_dtype, seq_len)
+        check_cache_memory(config, per_layer, compute_dtype, seq_len, cache_dtype)
         model = _build(reader, config, main, per_layer, compute_dtype, seq_len, embed_on_cpu,
-                       rope_alpha, compress_pos_emb, progress)
+                       rope_alpha, compress_pos_emb, progress, cache_dtype)
     fmt = describe(config, model.layers)
-    log.info("loaded %s (%s, %s): %d layers, %.1f MB of weights on %s", folder.name, config.architecture, fmt,
-             config.num_layers, model.nbytes / 1e6, main)
-    return LoadedModel(model=model, tokenizer=tokenizer,  # type: ignore[arg-type]
-                       config=config, path=folder, name=folder.name, weight_format=fmt)
+    log.info("loaded %s (%s, %s): %d layers, %.1f MB of weights on %s, %s KV cache", folder.name,
+             config.architecture, fmt, config.num_layers, model.nbytes / 1e6, main, cache_dtype)
+    lm = LoadedModel(model=model, tokenizer=tokenizer,  # type: ignore[arg-type]
+                     config=config, path=folder, name=folder.name, weight_format=fmt)
+    if speculative != "off":
+        try:
+            _attach_speculation(lm, speculative, draft_model, draft_tokens, compute_dtype, seq_len, progress)
+        except BaseException:
+            lm.unload()
+            raise
+    return lm
+
+
+def _attach_speculation(lm: LoadedModel, mode: str, draft_model: Optional[Union[str, Path]], draft_tokens: int,
+                        dtype: torch.dtype, seq_len: int, progress: Optional[Progress]) -> None:
+    """Load the draft model (if any) next to the target's head and set lm.speculation."""
+    from kobold_backend.engine.speculative import SpeculationConfig
+
+    draft_lm = None
+    if mode == "draft" and draft_model is not None:
+        name = str(dtype).replace("torch.", "")
+        try:
+            draft_lm = load_model(draft_model, device=str(lm.model.device), dtype=name,
+                                  max_seq_len=seq_len, progress=progress)
+        except (ModelFormatError, OSError) as exc:
+            raise ModelFormatError(f"The draft model {Path(draft_model).name} could not be loaded: {exc}") from exc
+        lm.draft = draft_lm
+    lm.speculation = SpeculationConfig(mode, draft_tokens,
+                                       None if draft_lm is None else draft_lm.model,
+                                       "" if draft_lm is None else draft_lm.name)
+    log.info("speculative decoding: %s", lm.speculation.describe())
+
+
+def _draft_tokenizer(folder: Path) -> Tokenizer:
+    """The draft model's tokenizer alone (no weights read), for the check before anything is loaded."""
+    try:
+        if folder.suffix == ".gguf" and folder.is_file():
+            tokenizer = open_gguf(folder, True)[1]
+        else:
+            config = ModelConfig.from_dir(folder)
+            tokenizer = load_tokenizer(folder, config.bos_token_id, config.eos_token_ids)
+    except (ModelFormatError, OSError) as exc:
+        raise ModelFormatError(f"The draft model {folder.name} could not be loaded: {exc}") from exc
+    assert tokenizer is not None
+    return tokenizer
 
 
 def context_limit(config: ModelConfig, rope_alpha: float = 1.0, compress_pos_emb: float = 1.0) -> int:
@@ -159,12 +227,13 @@ def _available_bytes(device: torch.device) -> Optional[int]:
 
 
 def check_cache_memory(config: ModelConfig, per_layer: Sequence[torch.device], dtype: torch.dtype,
-                       seq_len: int) -> None:
+                       seq_len: int, cache_dtype: str = "fp16") -> None:
     """Refuse a context whose KV cache alone is larger than the free memory of a device it would go on."""
     need: Dict[torch.device, int] = {}
     for dev in per_layer:
         size = torch.tensor([], dtype=_dtype_for(dev, dtype)).element_size()
-        need[dev] = need.get(dev, 0) + 2 * config.num_kv_heads * config.head_dim * seq_len * size
+        need[dev] = need.get(dev, 0) + seq_len * cache_bytes_per_token(cache_dtype, config.num_kv_heads,
+                                                                       config.head_dim, size)
     for dev, nbytes in need.items():
         free = _available_bytes(dev)
         if free is not None and nbytes > free:
@@ -250,6 +319,7 @@ def _load_layer(ctx: LayerLoader, index: int) -> Layer:
         gate_up_proj=weights.get("gate_up_proj"), device=ctx.device, out_features=out_features,
         biases=biases, mlp=arch.build_mlp(ctx, config, index), **norms,
     )
+    fold_down_permutation(layer)
     layer.fuse()
     return layer
 
@@ -265,6 +335,7 @@ def _build(
     rope_alpha: float,
     compress_pos_emb: float,
     progress: Optional[Progress],
+    cache_dtype: str = "fp16",
 ) -> Model:
     h = config.hidden_size
     total = config.num_layers + 2
@@ -306,4 +377,4 @@ def _build(
             tables[key] = cos_sin_tables(config, seq_len, key[0], key[1], rope_alpha, compress_pos_emb, key[2])
         cos.append(tables[key][0])
         sin.append(tables[key][1])
-    return Model(config, embed, layers, norm, lm_head, cos, sin, head_dt, seq_len)
+    return Model(config, embed, layers, norm, lm_head, cos, sin, head_dt, seq_len, cache_dtype)

@@ -73,6 +73,8 @@ class Layer:
     `q_norm`/`k_norm` (per-head RMSNorm weights [head_dim]), `attn_out_norm`/`mlp_out_norm` (norms on the attention
     and MLP outputs before the residual add), `biases` (dense projections' biases by projection name; GPTQ layers
     keep theirs), and `mlp`, a routed MLP object called as `mlp(x, index, passthrough)` instead of gate/up/down.
+    `mlp_perm` is set when an act-order down_proj's input permutation was folded into gate/up's outputs
+    (engine/mlp_fold.py): the intermediate is stored in that order, feature j being the checkpoint's mlp_perm[j].
     """
 
     input_norm: torch.Tensor
@@ -94,13 +96,15 @@ class Layer:
     mlp_out_norm: Optional[torch.Tensor] = None
     biases: Dict[str, torch.Tensor] = field(default_factory=dict)
     mlp: Optional[Any] = None
+    mlp_perm: Optional[torch.Tensor] = None
 
     PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "qkv_proj", "gate_up_proj")
     NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
 
     def weight(self, name: str) -> Weight:
-        """The weight of one projection (a copy of its columns of the fused weight when it was fused)."""
+        """The weight of one projection (a copy of its columns of the fused weight when it was fused), as
+        stored: with `mlp_perm` set, gate/up outputs and down inputs are in that order."""
         own = getattr(self, name)
         if own is not None:
             return own
@@ -149,6 +153,8 @@ class Layer:
             if getattr(self, name) is not None:
                 yield getattr(self, name)
         yield from self.biases.values()
+        if self.mlp_perm is not None:
+            yield self.mlp_perm
         if self.mlp is not None:
             yield from self.mlp.tensors()
 
@@ -167,8 +173,10 @@ class Model:
         sin: List[torch.Tensor],
         dtype: torch.dtype,
         max_seq_len: int,
+        cache_dtype: str = "fp16",
     ) -> None:
         self.config = config
+        self.cache_dtype = cache_dtype  # what new_cache allocates (engine/cache.py CACHE_DTYPES)
         self.features = config.features
         self.embed_tokens = embed_tokens
         self.layers = layers
@@ -188,7 +196,9 @@ class Model:
         # multiplies inside CUDA graphs without a host tensor
         self.embed_scale = None if scale is None else float(torch.tensor(scale, dtype=embed_tokens.dtype))
 
-    def new_cache(self, max_seq_len: Optional[int] = None, batch_size: int = 1) -> KVCache:
+    def new_cache(self, max_seq_len: Optional[int] = None, batch_size: int = 1,
+                  cache_dtype: Optional[str] = None) -> KVCache:
+        """A cache of `max_seq_len` positions (default: the model's), in `cache_dtype` (default: the model's)."""
         n = max_seq_len or self.max_seq_len
         if n > self.max_seq_len:
             raise ValueError(f"a cache of {n} positions exceeds the RoPE tables of {self.max_seq_len}")
@@ -200,6 +210,7 @@ class Model:
             head_dim=self.config.head_dim,
             dtypes=[layer.input_norm.dtype for layer in self.layers],
             devices=[layer.device for layer in self.layers],
+            cache_dtype=cache_dtype or self.cache_dtype,
         )
 
     @torch.inference_mode()
@@ -230,7 +241,10 @@ class Model:
     @torch.inference_mode()
     def shift_cache(self, cache: KVCache, start: int, drop: int) -> None:
         """Remove positions [start, start+drop) from the cache in place: later positions move left by `drop`
-        and their keys are re-rotated by -drop positions, so they read as if computed at their new place."""
+        and their keys are re-rotated by -drop positions, so they read as if computed at their new place.
+
+        A quantized cache (ops/kv_quant.QuantizedKV) moves the values' bytes as they are and re-quantizes the
+        re-rotated keys from their dequantized float32 values (`.float()` / `.copy_` of a float tensor)."""
         end = cache.seq_len
         if drop <= 0 or not 0 <= start < start + drop <= end:
             raise ValueError(f"cannot drop {drop} positions at {start} from a cache of {end}")
@@ -321,7 +335,7 @@ class Model:
               passthrough: Optional[ForwardHooks]) -> torch.Tensor:
         y = project(x, getattr(layer, name), layer.biases.get(name))
         if passthrough is not None:
-            delta = passthrough.linear_delta(index, name, x)
+            delta = Model._delta(index, layer, name, x, passthrough)
             if delta is not None:
                 y = y + delta.to(y.dtype)
         return y
@@ -343,10 +357,23 @@ class Model:
         outs = list(project(x, weight, layer.biases.get(fused)).split(list(sizes), dim=-1))
         if passthrough is not None:
             for i, name in enumerate(names):
-                delta = passthrough.linear_delta(index, name, x)
+                delta = Model._delta(index, layer, name, x, passthrough)
                 if delta is not None:
                     outs[i] = outs[i] + delta.to(outs[i].dtype)
         return outs
+
+    @staticmethod
+    def _delta(index: int, layer: Layer, name: str, x: torch.Tensor,
+               passthrough: ForwardHooks) -> Optional[torch.Tensor]:
+        """A passthrough's delta for projection `name`; deltas address the MLP intermediate in checkpoint order,
+        so with `layer.mlp_perm` down's input is put back in that order and gate/up's deltas are permuted."""
+        perm = layer.mlp_perm
+        if perm is None or name not in ("gate_proj", "up_proj", "down_proj"):
+            return passthrough.linear_delta(index, name, x)
+        if name == "down_proj":
+            return passthrough.linear_delta(index, name, torch.empty_like(x).index_copy_(x.dim() - 1, perm, x))
+        delta = passthrough.linear_delta(index, name, x)
+        return None if delta is None else delta.index_select(-1, perm)
 
     @property
     def nbytes(self) -> int:

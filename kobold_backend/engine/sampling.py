@@ -131,6 +131,7 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(self.seed)
         self.context: List[int] = []
+        self.banned = tuple(banned)  # ids never drawn besides the settings' own bans (a twin sampler copies them)
         # On the CPU, drop removed candidates between samplers (host reads are free there); tests may
         # switch it off to run the fixed-shape accelerator path on the CPU.
         self.compact = self.device.type == "cpu"

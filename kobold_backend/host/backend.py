@@ -326,6 +326,7 @@ class KoboldBackendMixin:
         self.loaded = load_model(path, progress=self._progress, **options.load_kwargs())
         self.model = self.loaded.model
         self.generator = Generator(self.loaded.model, self.loaded.tokenizer)
+        self.generator.use_speculation(self.loaded.speculation)
         self.tokenizer = UnitedTokenizer(self.loaded.tokenizer)
         self.path = str(path)
         if not self.model_name or self.model_name == "Not Defined":

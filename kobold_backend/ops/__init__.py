@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import torch
 
-from kobold_backend.ops import native, reference
+from kobold_backend.ops import ggml, kv_quant, native, reference
 from kobold_backend.ops.exl2_weight import EXL2Weight, exl2_dequantize
-from kobold_backend.ops.ggml import ggml_matmul
-from kobold_backend.ops.reference import attention, linear
+from kobold_backend.ops.kv_quant import QuantizedKV
+from kobold_backend.ops.reference import linear
 
 if TYPE_CHECKING:
+    from kobold_backend.ops.ggml import GGMLWeight
     from kobold_backend.ops.gptq_weight import GPTQWeight
 
 __all__ = [
@@ -34,6 +35,11 @@ __all__ = [
     "rope_cache_write_at",
     "silu_mul",
 ]
+
+
+def _quantized(k_cache: Any, v_cache: Any) -> bool:
+    """Whether either cache is in the 8/4-bit layout (ops/kv_quant.py reads and writes those)."""
+    return isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV)
 
 
 def _kernels(x: torch.Tensor) -> Any:
@@ -70,6 +76,13 @@ def exl2_matmul(x: torch.Tensor, w: EXL2Weight) -> torch.Tensor:
     return y if w.bias is None else y + w.bias.to(y.dtype)
 
 
+def ggml_matmul(x: torch.Tensor, w: GGMLWeight) -> torch.Tensor:
+    """x [M, K] @ w.T (+ bias) for a linear in a GGML block format: the native kernels where loaded (and built
+    with the GGML kernels), else dequantization + matmul in torch (ops/ggml.py)."""
+    k = _kernels(x)
+    return ggml.ggml_matmul(x, w) if k is None else k.ggml_matmul(x, w)
+
+
 def gptq_dequantize(w: GPTQWeight) -> torch.Tensor:
     k = _kernels(w.qweight) if w.bits == 4 else None
     return reference.gptq_dequantize(w) if k is None else k.gptq_dequantize(w)
@@ -85,6 +98,8 @@ def rope_cache_write(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
 ) -> torch.Tensor:
+    if _quantized(k_cache, v_cache):
+        return kv_quant.rope_cache_write(q, k, v, cos, sin, pos, k_cache, v_cache)
     kern = _kernels(q)
     if kern is None:
         return reference.rope_cache_write(q, k, v, cos, sin, pos, k_cache, v_cache)
@@ -101,6 +116,8 @@ def rope_cache_write_at(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
 ) -> torch.Tensor:
+    if _quantized(k_cache, v_cache):
+        return kv_quant.rope_cache_write_at(q, k, v, cos, sin, pos, k_cache, v_cache)
     kern = _kernels(q)
     if kern is None:
         return reference.rope_cache_write_at(q, k, v, cos, sin, pos, k_cache, v_cache)
@@ -117,6 +134,8 @@ def decode_attention_at(
     window: Optional[int] = None,
     softcap: Optional[float] = None,
 ) -> torch.Tensor:
+    if _quantized(k_cache, v_cache):
+        return kv_quant.decode_attention_at(q, k_cache, v_cache, pos, length, scale, window, softcap)
     k = _kernels(q)
     if k is None or q.is_cuda or window is not None or softcap is not None:
         # On the H200, inside a CUDA graph, torch's batched matmuls beat the native flash-decoding kernel at every
@@ -136,6 +155,8 @@ def decode_attention(
     softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """One query row against cached positions [seq_len - window, seq_len) (all of them without a window)."""
+    if _quantized(k_cache, v_cache):
+        return kv_quant.decode_attention(q, k_cache, v_cache, seq_len, scale, window, softcap)
     k = _kernels(q)
     if k is None or softcap is not None:
         return reference.decode_attention(q, k_cache, v_cache, seq_len, scale, window, softcap)
@@ -144,6 +165,21 @@ def decode_attention(
         start = seq_len - window
         return k.decode_attention(q, k_cache[:, :, start:], v_cache[:, :, start:], window, scale)
     return k.decode_attention(q, k_cache, v_cache, seq_len, scale)
+
+
+def attention(
+    q: torch.Tensor,
+    k_cache: Any,
+    v_cache: Any,
+    pos: int,
+    scale: float,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """Causal attention of a prompt chunk q [B, T, Hq, D] at positions pos.. over the cache (reference.attention)."""
+    if _quantized(k_cache, v_cache):
+        return kv_quant.attention(q, k_cache, v_cache, pos, scale, window, softcap)
+    return reference.attention(q, k_cache, v_cache, pos, scale, window, softcap)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

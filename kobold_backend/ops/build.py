@@ -60,7 +60,9 @@ def ext_suffix() -> str:
 
 
 def cpu_sources(src: Path) -> List[Path]:
-    return [src / "cpu" / "ops_cpu.cpp", src / "cpu" / "module_cpu.cpp"]
+    """The CPU kernel sources, the pybind11 binding last."""
+    return [src / "cpu" / "ops_cpu.cpp", src / "cpu" / "ggml_cpu.cpp", src / "cpu" / "kv_quant_cpu.cpp",
+            src / "cpu" / "module_cpu.cpp"]
 
 
 def cuda_sources(src: Path) -> List[Path]:
@@ -246,21 +248,27 @@ def _publish(objs: Sequence[Path], tmp: Path) -> None:
 
 def build_cpu(out_path: Path, log: Callable[[str], None] = _progress, objects: Optional[Path] = None) -> Path:
     """Compile `_ext_cpu` into out_path (written atomically: a failed build leaves nothing there). `objects`: a
-    folder where the kernel object (ops_cpu.cpp, the same for every Python) is kept and reused."""
+    folder where the kernel objects (every source but the binding, the same for every Python) are kept and
+    reused."""
     cxx = find_cxx()
     if not cxx:
         raise BuildError("no C++ compiler found (set CXX or install g++).")
     cwd, src = compile_root()
     flags = cxx_flags(src, package_version()) + [f"-I{src / 'cpu'}"]
-    kernels, binding = cpu_sources(src)
+    *kernels, binding = cpu_sources(src)
     with tempfile.TemporaryDirectory(prefix=".kb-build-", dir=str(out_path.parent)) as tmp:
-        steps, kernel_obj = _kernel_steps(cxx.split() + flags, kernels, Path(tmp), objects, [cxx],
-                                          f"compile {kernels.name}")
+        steps: List[Tuple[List[str], str]] = []
+        kernel_objs: List[Path] = []
+        for source in kernels:
+            kernel_steps, obj = _kernel_steps(cxx.split() + flags, source, Path(tmp), objects, [cxx],
+                                              f"compile {source.name}")
+            steps += kernel_steps
+            kernel_objs.append(obj)
         binding_obj = Path(tmp) / (binding.stem + ".o")
         steps.append((cxx.split() + flags + _python_flags() + ["-c", str(binding), "-o", str(binding_obj)],
                       f"compile {binding.name}"))
         _parallel(steps, log, cwd)
-        objs = [kernel_obj, binding_obj]
+        objs = kernel_objs + [binding_obj]
         _publish(objs, Path(tmp))
         staged = Path(tmp) / out_path.name
         log(f"link {out_path.name}")

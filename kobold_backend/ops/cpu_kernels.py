@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from kobold_backend.ops import reference
+from kobold_backend.ops import ggml, reference
 from kobold_backend.ops.marshal import (
     DTYPE_CODES,
     GEMV_MAX_ROWS,
@@ -35,6 +35,11 @@ CPU_SIGNATURES: Dict[str, Tuple[str, ...]] = {
     "decode_attention": ("q", "dtype", "q_sb", "q_sh", "b", "hq", "hkv", "d", "k_cache", "v_cache", "kcs", "vcs",
                          "seq_len", "scale", "out", "threads"),
     "silu_mul": ("gate", "up", "dtype", "n", "out", "threads"),
+    "ggml_gemv": ("type", "w", "row_bytes", "n", "k", "x", "x_dtype", "x_stride", "rows", "bias", "bias_dtype",
+                  "out", "out_dtype", "threads"),
+    "ggml_dequantize": ("type", "w", "row_bytes", "n", "k", "out", "out_dtype", "threads"),
+    "kvq_decode_attention": ("q", "q_sb", "q_sh", "b", "hq", "hkv", "d", "kd", "ks", "vd", "vs", "kds", "kss", "vds",
+                             "vss", "k_bits", "v_bits", "seq_len", "scale", "window", "softcap", "out", "threads"),
 }
 
 
@@ -155,6 +160,25 @@ class CpuKernels:
                    seq_len=int(seq_len), scale=float(scale), out=y.data_ptr())
         return y
 
+    def kvq_decode_attention(self, q: torch.Tensor, k_cache: Any, v_cache: Any, seq_len: int, scale: float,
+                             window: Optional[int] = None, softcap: Optional[float] = None) -> Optional[torch.Tensor]:
+        """Attention of q [B, Hq, D] over the first seq_len positions of 8/4-bit caches (ops/kv_quant.QuantizedKV)
+        (the last `window` of them with a sliding window; scores soft-capped with `softcap`), read in place; the
+        output in q's dtype. None when the layout does not suit the kernel."""
+        kd, ks, vd, vs = k_cache.data, k_cache.scales, v_cache.data, v_cache.scales
+        if (q.dim() != 3 or not q.is_floating_point() or not 1 <= seq_len <= kd.shape[2]
+                or any(t.device.type != "cpu" or t.stride(-1) != 1 for t in (kd, ks, vd, vs))):
+            return None
+        qf = last_contiguous(q.float())
+        b, hq, d = qf.shape
+        y = torch.empty((b, hq, d), dtype=torch.float32)
+        self._call("kvq_decode_attention", q=qf.data_ptr(), q_sb=qf.stride(0), q_sh=qf.stride(1), b=b, hq=hq,
+                   hkv=kd.shape[1], d=d, kd=kd.data_ptr(), ks=ks.data_ptr(), vd=vd.data_ptr(), vs=vs.data_ptr(),
+                   kds=kd.stride()[:3], kss=ks.stride()[:3], vds=vd.stride()[:3], vss=vs.stride()[:3],
+                   k_bits=k_cache.bits, v_bits=v_cache.bits, seq_len=int(seq_len), scale=float(scale),
+                   window=int(window or 0), softcap=float(softcap or 0.0), out=y.data_ptr())
+        return y.to(q.dtype)
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if gate.dtype not in DTYPE_CODES or up.dtype != gate.dtype or up.shape != gate.shape:
             return reference.silu_mul(gate, up)
@@ -162,4 +186,34 @@ class CpuKernels:
         y = out_tensor(out, gate.shape, gate)
         self._call("silu_mul", gate=g.data_ptr(), up=u.data_ptr(), dtype=DTYPE_CODES[g.dtype], n=g.numel(),
                    out=y.data_ptr())
+        return y
+
+    def ggml_dequantize(self, w: ggml.GGMLWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [out_features, in_features] in `dtype`, decoded by the kernel (one rounding per value)."""
+        if (not hasattr(self.module, "ggml_dequantize") or dtype not in DTYPE_CODES
+                or not ggml.kernel_layout_ok(w, w.data.device)):
+            return ggml.ggml_dequantize(w).to(dtype)
+        y = torch.empty((w.out_features, w.in_features), dtype=dtype)
+        self._call("ggml_dequantize", type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(), row_bytes=w.data.shape[1],
+                   n=w.out_features, k=w.in_features, out=y.data_ptr(), out_dtype=DTYPE_CODES[dtype])
+        return y
+
+    def ggml_matmul(self, x: torch.Tensor, w: ggml.GGMLWeight) -> torch.Tensor:
+        """x [M, K] @ w.T (+ bias) in x's dtype: the GEMV for 1..8 rows, else kernel dequantization + one matmul."""
+        if (not hasattr(self.module, "ggml_gemv") or x.dtype not in DTYPE_CODES or x.dim() != 2
+                or x.shape[1] != w.in_features or not ggml.kernel_layout_ok(w, x.device)
+                or (w.bias is not None and w.bias.dtype not in DTYPE_CODES)):
+            return ggml.ggml_matmul(x, w)
+        m = x.shape[0]
+        if not 1 <= m <= GEMV_MAX_ROWS:
+            y = x @ self.ggml_dequantize(w, x.dtype).t()
+            return y if w.bias is None else y + w.bias.to(y.dtype)
+        x2, bias = last_contiguous(x), w.bias
+        bias = None if bias is None else bias.contiguous()
+        y = torch.empty((m, w.out_features), dtype=x.dtype)
+        self._call("ggml_gemv", type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(), row_bytes=w.data.shape[1],
+                   n=w.out_features, k=w.in_features, x=x2.data_ptr(), x_dtype=DTYPE_CODES[x.dtype],
+                   x_stride=x2.stride(0), rows=m, bias=0 if bias is None else bias.data_ptr(),
+                   bias_dtype=0 if bias is None else DTYPE_CODES[bias.dtype], out=y.data_ptr(),
+                   out_dtype=DTYPE_CODES[x.dtype])
         return y

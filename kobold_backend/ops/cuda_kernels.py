@@ -4,11 +4,12 @@ current stream by name, plus a per-(device, stream) workspace for split-K GEMV a
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from kobold_backend.ops import reference
+from kobold_backend.ops import ggml, reference
 from kobold_backend.ops.exl2_weight import exl2_dequantize as reference_exl2
 from kobold_backend.ops.marshal import (
     DTYPE_CODES,
@@ -30,8 +31,12 @@ WS_COUNTERS = 1 << 16
 EXL2_GEMV_MAX_ROWS = 4  # rows the EXL2 GEMV takes (csrc/cuda/exl2.cu); more go through dequantize + matmul
 
 # gptq_gemv's `variant`: chosen by shape, or one kernel forced (the whole-K ones only where their shape check
-# passes; the 512-thread one takes 1 or 2 rows).
-GEMV_AUTO, GEMV_SPLIT_K, GEMV_WHOLE_K, GEMV_WHOLE_K_512 = 0, 1, 2, 3
+# passes; the 512-thread one takes 1 or 2 rows; the lean one, csrc/cuda/gptq_lean.cu, the 256-thread one's shapes,
+# with or without programmatic dependent launch).
+GEMV_AUTO, GEMV_SPLIT_K, GEMV_WHOLE_K, GEMV_WHOLE_K_512, GEMV_WHOLE_K_LEAN, GEMV_WHOLE_K_LEAN_PDL = 0, 1, 2, 3, 4, 5
+GEMV_AUTO_LEAN = 6  # chosen by shape, the lean kernel wherever a whole-K one is chosen
+# The rule GEMV_AUTO follows in this process: KOBOLD_BACKEND_GEMV_RULE=lean benchmarks the lean kernel end to end.
+DEFAULT_GEMV = GEMV_AUTO_LEAN if os.environ.get("KOBOLD_BACKEND_GEMV_RULE") == "lean" else GEMV_AUTO
 
 # The parameter names of each binding in csrc/cuda/module_cuda.cpp, in order.
 CUDA_SIGNATURES: Dict[str, Tuple[str, ...]] = {
@@ -50,6 +55,14 @@ CUDA_SIGNATURES: Dict[str, Tuple[str, ...]] = {
     "decode_attention": ("q", "q_sb", "q_sh", "b", "hq", "hkv", "d", "k_cache", "v_cache", "kcs", "vcs", "seq_len",
                          "pos_dev", "scale", "out", "ws", "device", "stream"),
     "silu_mul": ("gate", "up", "n", "out", "device", "stream"),
+    "ggml_gemv": ("type", "w", "row_bytes", "n", "k", "x", "x_stride", "rows", "bias", "out", "device", "stream"),
+    "ggml_dequantize": ("type", "w", "row_bytes", "n", "k", "out", "device", "stream"),
+    "kvq_decode_attention": ("q", "q_f16", "out_f16", "q_sb", "q_sh", "b", "hq", "hkv", "d", "kd", "ks", "vd", "vs",
+                             "kds", "kss", "vds", "vss", "k_bits", "v_bits", "seq_len", "pos_dev", "scale", "window",
+                             "softcap", "out", "ws", "device", "stream"),
+    "kvq_rope_write": ("q", "k", "v", "qs", "ks", "vs", "b", "t", "hq", "hkv", "d", "cos", "sin", "cs_dtype",
+                       "cos_stride", "sin_stride", "pos", "pos_dev", "max_pos", "kd", "kscale", "vd", "vscale", "kds",
+                       "kss", "vds", "vss", "k_bits", "v_bits", "q_out", "device", "stream"),
 }
 
 
@@ -123,8 +136,8 @@ class CudaKernels:
     def gptq_matmul(self, x: torch.Tensor, w: Any, out: Optional[torch.Tensor] = None,
                     variant: int = GEMV_AUTO) -> torch.Tensor:
         """x @ dequantize(w); 1..8 rows through the GEMV (`variant`: GEMV_AUTO picks the kernel by shape;
-        GEMV_SPLIT_K, GEMV_WHOLE_K and GEMV_WHOLE_K_512 force one, for tools/gptq_gemv_bench.py), more through
-        cuBLAS."""
+        GEMV_SPLIT_K, GEMV_WHOLE_K, GEMV_WHOLE_K_512, GEMV_WHOLE_K_LEAN and GEMV_WHOLE_K_LEAN_PDL force one, for
+        tools/gptq_gemv_bench.py), more through cuBLAS."""
         if (x.dim() != 2 or x.shape[1] != w.in_features or x.dtype != torch.float16
                 or w.scales.dtype != torch.float16 or w.zeros.dtype != torch.float16
                 or (w.bias is not None and w.bias.dtype != torch.float16)):
@@ -144,7 +157,7 @@ class CudaKernels:
                    perm=0 if w.perm is None else w.perm.data_ptr(), qweight=w.qweight.data_ptr(), n=n,
                    scales=w.scales.data_ptr(), zeros=w.zeros.data_ptr(), group_size=w.group_size,
                    groups=w.scales.shape[0], bias=0 if w.bias is None else w.bias.data_ptr(), out=y.data_ptr(),
-                   variant=variant)
+                   variant=DEFAULT_GEMV if variant == GEMV_AUTO else variant)
         return y
 
     def exl2_dequantize(self, w: Any) -> torch.Tensor:
@@ -257,12 +270,103 @@ class CudaKernels:
                    scale=float(scale), out=y.data_ptr())
         return y
 
+    def kvq_decode_attention(self, q: torch.Tensor, k_cache: Any, v_cache: Any, seq_len: int,
+                             pos: Optional[torch.Tensor], scale: float, window: Optional[int] = None,
+                             softcap: Optional[float] = None) -> Optional[torch.Tensor]:
+        """Attention of q [B, Hq, D] (fp16 or fp32) over the first seq_len positions of 8/4-bit caches
+        (ops/kv_quant.QuantizedKV), positions after the device tensor `pos` masked when given, only the last
+        `window` of the rest with a sliding window, scores soft-capped with `softcap`; the output in q's dtype.
+        None when the layout does not suit the kernel (the caller falls back to the torch definition)."""
+        kd, ks, vd, vs = k_cache.data, k_cache.scales, v_cache.data, v_cache.scales
+        dev = q.device
+        kalign = 8 if k_cache.bits == 8 else 4
+        if (q.dtype not in (torch.float16, torch.float32) or q.dim() != 3
+                or any(t.device != dev or t.stride(-1) != 1 for t in (kd, ks, vd, vs))
+                or kd.data_ptr() % kalign or any(s % kalign for s in kd.stride()[:3])
+                or vd.data_ptr() % 2 or any(s % 2 for s in vd.stride()[:3])
+                or not 1 <= seq_len <= kd.shape[2]
+                or (pos is not None and (pos.numel() != 1 or pos.dtype != torch.int64 or pos.device != dev))):
+            return None
+        q = last_contiguous(q)
+        b, hq, d = q.shape
+        f16 = int(q.dtype == torch.float16)
+        y = torch.empty((b, hq, d), dtype=q.dtype, device=dev)
+        self._call("kvq_decode_attention", dev, q=q.data_ptr(), q_f16=f16, out_f16=f16, q_sb=q.stride(0),
+                   q_sh=q.stride(1), b=b, hq=hq, hkv=kd.shape[1], d=d, kd=kd.data_ptr(), ks=ks.data_ptr(),
+                   vd=vd.data_ptr(), vs=vs.data_ptr(), kds=kd.stride()[:3], kss=ks.stride()[:3],
+                   vds=vd.stride()[:3], vss=vs.stride()[:3], k_bits=k_cache.bits, v_bits=v_cache.bits,
+                   seq_len=int(seq_len), pos_dev=0 if pos is None else pos.data_ptr(), scale=float(scale),
+                   window=int(window or 0), softcap=float(softcap or 0.0), out=y.data_ptr())
+        return y
+
+    def kvq_rope_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       pos: int, pos_dev: Optional[torch.Tensor], k_cache: Any, v_cache: Any
+                       ) -> Optional[torch.Tensor]:
+        """RoPE on q [B, T, Hq, D] and k, then k and v quantized into 8/4-bit caches at pos.. (or at the device
+        tensor `pos_dev`, one token); returns the rotated q, or None when the layout does not suit the kernel."""
+        dev = q.device
+        if (q.dtype != torch.float16 or q.dim() != 4 or k.dim() != 4
+                or any(x.dtype != q.dtype or x.device != dev for x in (k, v))
+                or tuple(k.shape) != tuple(v.shape) or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]
+                or cos.dtype not in (torch.float16, torch.float32) or sin.dtype != cos.dtype
+                or cos.dim() != 2 or cos.shape[1] != q.shape[3] or sin.shape != cos.shape
+                or any(x.device != dev or x.stride(-1) != 1 for x in (cos, sin, k_cache.data, k_cache.scales,
+                                                                       v_cache.data, v_cache.scales))
+                or tuple(k_cache.shape[:2]) != (k.shape[0], k.shape[2]) or k_cache.head_dim != q.shape[3]
+                or tuple(v_cache.shape) != tuple(k_cache.shape)
+                or (pos_dev is not None and (q.shape[1] != 1 or pos_dev.numel() != 1
+                                             or pos_dev.dtype != torch.int64 or pos_dev.device != dev))):
+            return None
+        b, t, hq, d = q.shape
+        max_pos = min(k_cache.shape[2], cos.shape[0], sin.shape[0])
+        if pos_dev is None:
+            check_rope_range(pos, t, k_cache.shape[2], cos.shape[0], sin.shape[0])
+        q, k, v = last_contiguous(q), last_contiguous(k), last_contiguous(v)
+        q_out = torch.empty((b, t, hq, d), dtype=q.dtype, device=dev)
+        kd, ks, vd, vs = k_cache.data, k_cache.scales, v_cache.data, v_cache.scales
+        self._call("kvq_rope_write", dev, q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), qs=q.stride()[:3],
+                   ks=k.stride()[:3], vs=v.stride()[:3], b=b, t=t, hq=hq, hkv=k.shape[2], d=d, cos=cos.data_ptr(),
+                   sin=sin.data_ptr(), cs_dtype=DTYPE_CODES[cos.dtype], cos_stride=cos.stride(0),
+                   sin_stride=sin.stride(0), pos=0 if pos_dev is not None else int(pos),
+                   pos_dev=0 if pos_dev is None else pos_dev.data_ptr(), max_pos=max_pos, kd=kd.data_ptr(),
+                   kscale=ks.data_ptr(), vd=vd.data_ptr(), vscale=vs.data_ptr(), kds=kd.stride()[:3],
+                   kss=ks.stride()[:3], vds=vd.stride()[:3], vss=vs.stride()[:3], k_bits=k_cache.bits,
+                   v_bits=v_cache.bits, q_out=q_out.data_ptr())
+        return q_out
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if gate.dtype != torch.float16 or up.dtype != gate.dtype or up.shape != gate.shape or up.device != gate.device:
             return reference.silu_mul(gate, up)
         g, u = gate.contiguous(), up.contiguous()
         y = out_tensor(out, gate.shape, gate)
         self._call("silu_mul", gate.device, gate=g.data_ptr(), up=u.data_ptr(), n=g.numel(), out=y.data_ptr())
+        return y
+
+    def ggml_dequantize(self, w: ggml.GGMLWeight) -> torch.Tensor:
+        """The weight [out_features, in_features] in fp16, decoded by the kernel."""
+        if not hasattr(self.module, "ggml_dequantize") or not ggml.kernel_layout_ok(w, w.data.device):
+            return ggml.ggml_dequantize(w).half()
+        y = torch.empty((w.out_features, w.in_features), dtype=torch.float16, device=w.data.device)
+        self._call("ggml_dequantize", w.data.device, type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(),
+                   row_bytes=w.data.shape[1], n=w.out_features, k=w.in_features, out=y.data_ptr())
+        return y
+
+    def ggml_matmul(self, x: torch.Tensor, w: ggml.GGMLWeight) -> torch.Tensor:
+        """fp16 x [M, K] @ w.T (+ bias): the GEMV for 1..8 rows, else kernel dequantization + one cuBLAS GEMM."""
+        if (not hasattr(self.module, "ggml_gemv") or x.dtype != torch.float16 or x.dim() != 2
+                or x.shape[1] != w.in_features or not ggml.kernel_layout_ok(w, x.device)
+                or (w.bias is not None and w.bias.dtype != torch.float16)):
+            return ggml.ggml_matmul(x, w)
+        m = x.shape[0]
+        if not 1 <= m <= GEMV_MAX_ROWS:
+            y = x @ self.ggml_dequantize(w).t()
+            return y if w.bias is None else y + w.bias
+        x2 = x if x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else x.contiguous()
+        bias = None if w.bias is None else w.bias.contiguous()
+        y = torch.empty((m, w.out_features), dtype=torch.float16, device=x.device)
+        self._call("ggml_gemv", x.device, type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(),
+                   row_bytes=w.data.shape[1], n=w.out_features, k=w.in_features, x=x2.data_ptr(),
+                   x_stride=x2.stride(0), rows=m, bias=0 if bias is None else bias.data_ptr(), out=y.data_ptr())
         return y
 
 

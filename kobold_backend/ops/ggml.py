@@ -41,6 +41,8 @@ GGML_TYPES: Dict[int, Tuple[str, int, int]] = {
     30: ("BF16", 1, 2),
 }
 TYPE_IDS: Dict[str, int] = {name: tid for tid, (name, _, _) in GGML_TYPES.items()}
+# The block types the native kernels read (csrc/include/ggml_blocks.h); F32/F16/BF16 stay dense torch tensors.
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 @dataclass
@@ -65,6 +67,16 @@ class GGMLWeight:
     @property
     def bits_per_weight(self) -> float:
         return self.data.shape[1] * 8 / self.in_features
+
+
+def kernel_layout_ok(w: GGMLWeight, device: torch.device) -> bool:
+    """Whether the native kernels can read `w` on `device`: a kernel type, uint8 [N, row_bytes] rows contiguous
+    there, and a bias of N values (or none) there too."""
+    data = w.data
+    return (w.type_name in KERNEL_TYPES and data.dtype == torch.uint8 and data.dim() == 2 and data.is_contiguous()
+            and data.device == device
+            and tuple(data.shape) == (w.out_features, row_bytes(w.type_name, w.in_features))
+            and (w.bias is None or (tuple(w.bias.shape) == (w.out_features,) and w.bias.device == device)))
 
 
 def row_bytes(type_name: str, n: int) -> int:

@@ -99,6 +99,8 @@ class EngineHolder:
         lm = loader(path, **kwargs)
         try:
             generator = Generator(lm.model, lm.tokenizer)
+            if getattr(lm, "speculation", None) is not None:
+                generator.use_speculation(lm.speculation)
         except BaseException:
             lm.unload()
             raise

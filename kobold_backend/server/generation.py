@@ -67,6 +67,7 @@ class PerfStats:
                 "last_seed": -1 if stats.seed is None else int(stats.seed),
                 "stop_reason": STOP_REASON_CODES.get(stats.finish_reason, -1),
                 "passthrough": passthrough,  # the run was eager: no CUDA graph, no prefix reuse
+                "speculative": _speculation(getattr(stats, "speculation", None)),
             }
 
     def logprobs_for(self, genkey: Optional[str]) -> Optional[Dict[str, Any]]:
@@ -86,6 +87,15 @@ class PerfStats:
                 "idletime": round(now - self.idle_since, 3) if idle else 0.0, "quiet": False,
             })
         return out
+
+
+def _speculation(s: Any) -> Optional[Dict[str, Any]]:
+    """The run's speculative-decoding figures (None when the model speculates not at all)."""
+    if s is None:
+        return None
+    return {"mode": s.mode, "fallback": s.fallback or None, "drafted_tokens": s.drafted,
+            "accepted_tokens": s.accepted, "acceptance_rate": round(s.acceptance_rate, 4),
+            "target_forwards": s.target_forwards, "tokens_per_target_forward": round(s.tokens_per_forward, 3)}
 
 
 class _SingleLine:

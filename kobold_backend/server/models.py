@@ -85,6 +85,16 @@ def load_kwargs(parameters: Dict[str, Any], model_path: Path) -> Dict[str, Any]:
     return dict(load_options.planned_load_options(parameters, model_path).load_kwargs())
 
 
+def confined_draft(config: Any, parameters: Dict[str, Any]) -> Dict[str, Any]:
+    """The load parameters with a named draft model resolved inside --models-dir like the model itself (403/404)."""
+    from kobold_backend.engine.load_options import NO_DRAFT
+
+    name = parameters.get("draft_model")
+    if parameters.get("speculative") != "draft" or name in (None, "", NO_DRAFT):
+        return parameters
+    return dict(parameters, draft_model=str(resolve_model(require_models_dir(config), name)))
+
+
 def check_context(kwargs: Dict[str, Any], model_path: Path) -> None:
     """A requested context (max_ctx) must be at least 1 and at most the model's trained context times its RoPE
     stretch; the loader then checks that its KV cache fits in free memory."""

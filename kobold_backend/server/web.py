@@ -104,6 +104,7 @@ def load() -> Any:
     params = body.get("parameters") or {}
     if not isinstance(params, dict):
         raise ApiError("parameters must be an object.", 422, "bad_input")
+    params = model_files.confined_draft(state.config, params)
     job = Job(model_files.load_job(state.holder, path, params))
     state.queue.submit(job)
     job.wait(lambda: False)

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The lead's one GPU call for a whole wave: build the extension for sm_90 (exllamav2 JIT-builds beside it), run
+# every `-m gpu` test file in parallel processes (one file per process, so a kernel fault cannot hide the other
+# files), time the GEMV variants, then the benches one at a time on an otherwise idle GPU: 7B GPTQ / GGUF Q4_K_M /
+# EXL2 4.0 bpw (GPTQ and EXL2 beside exllamav2 on the same folders), quantized KV caches and speculation.
+# Carry .whl (gguf, flask, waitress, exllamav2 wheels). Logs and JSON go to $OUT; a summary is printed last.
+# Sections are skipped once the call's time is spent (LIMIT, seconds; default 560).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kb-device}; mkdir -p "$OUT"
+LIMIT=${LIMIT:-560}
+export PATH="$PATH:/usr/local/cuda/bin" PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 \
+  KOBOLD_BACKEND_CUDA_ARCH=9.0
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH="$PWD:/tmp/site"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u
+python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__)"
+left() { echo $((LIMIT - SECONDS)); }
+section() { echo "== $1 at ${SECONDS} s"; }
+
+section "exllamav2 JIT build (background)"
+(python3 -c "import exllamav2.ext" > "$OUT/exllamav2_build.log" 2>&1; echo "rc=$?" >> "$OUT/exllamav2_build.log") &
+
+section "build (sm_90)"
+python3 -m kobold_backend.ops.build --cpu --cuda > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+
+section "GPU tests"
+LOGS=/tmp/kb-gpu-logs; rm -rf "$LOGS"; mkdir -p "$LOGS"
+FIRST="${GPU_FIRST:-}"
+FILES=$( (for f in $FIRST; do echo "$f"; done; grep -l "mark.gpu" tests/test_*.py) | awk '!seen[$0]++')
+echo "$FILES" | xargs -P "${TEST_WORKERS:-4}" -I{} sh -c \
+  'n=$(basename {} .py); s=$(date +%s); timeout '"${PER_FILE_LIMIT:-200}"' python3 -m pytest -q -p no:cacheprovider -m gpu -rfE {} > '"$LOGS"'/$n.log 2>&1; echo "$n rc=$? $(( $(date +%s) - s ))s: $(grep -E "passed|failed|error|no tests ran" '"$LOGS"'/$n.log | tail -1)" >> '"$LOGS"'/summary.txt'
+sort "$LOGS/summary.txt"; cat "$LOGS"/test_*.log > "$OUT/gpu_tests.log"
+grep -h "^FAILED\|^ERROR" "$LOGS"/test_*.log | cut -c1-300 | head -40
+
+section "GEMV variants"
+timeout 60 python3 tools/gptq_gemv_bench.py --quick > "$OUT/gemv.txt" 2>&1; grep -v "^ " "$OUT/gemv.txt" | tail -30
+
+bench_model() {  # bench_model NAME PATH [extra bench flags...]: our bench on a written checkpoint
+  local name=$1 path=$2; shift 2
+  [ "$(left)" -lt 40 ] && { echo "skip $name (time)"; return; }
+  local t=$SECONDS
+  timeout $(( $(left) < 120 ? $(left) : 120 )) python3 -m kobold_backend.bench --model "$path" "$@" \
+    --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$? $((SECONDS - t)) s"; grep -v "^INFO\|^WARNING\|^kobold_backend:" "$OUT/$name.log" | tail -6
+}
+exllamav2_on() {  # exllamav2_on NAME PATH: exllamav2 on the same folder
+  [ "$(left)" -lt 40 ] && { echo "skip exllamav2 $1 (time)"; return; }
+  timeout $(( $(left) < 90 ? $(left) : 90 )) python3 - "$2" "$OUT/$1-exllamav2.json" <<'EOF' 2>&1 | grep -v -i warn | tail -3
+import json, sys
+from kobold_backend.bench.compare import bench_exllamav2
+r = bench_exllamav2(sys.argv[1])
+json.dump(r, open(sys.argv[2], "w"), indent=1)
+print("exllamav2", json.dumps({k: r.get(k) for k in ("decode_tokens_per_s", "prompt_tokens_per_s", "chat_turn",
+                                                      "skipped")}))
+EOF
+}
+
+section "write 7B checkpoints"
+python3 - <<'EOF' > "$OUT/write.log" 2>&1; tail -3 "$OUT/write.log"
+import time
+from pathlib import Path
+from kobold_backend.bench.checkpoint import PRESETS, write_synthetic_gptq
+from kobold_backend.bench.exl2_checkpoint import write_synthetic_exl2
+from kobold_backend.bench.gguf_checkpoint import write_synthetic_gguf
+shape = PRESETS["llama2-7b"]
+for name, write in (("gptq", lambda: write_synthetic_gptq(Path("/tmp/gptq-7b"), shape, max_position_embeddings=32768)),
+                    ("gguf", lambda: write_synthetic_gguf(Path("/tmp/q4km-7b.gguf"), shape)),
+                    ("exl2", lambda: write_synthetic_exl2(Path("/tmp/exl2-7b"), shape)),
+                    ("gptq act-order", lambda: write_synthetic_gptq(Path("/tmp/gptq-7b-act"), shape, act_order=True))):
+    t = time.time(); write(); print(f"{name} written in {time.time() - t:.1f} s", flush=True)
+EOF
+
+section "benches"
+bench_model gptq-7b /tmp/gptq-7b
+KOBOLD_BACKEND_GEMV_RULE=lean bench_model gptq-7b-lean /tmp/gptq-7b
+bench_model gguf-7b /tmp/q4km-7b.gguf
+bench_model exl2-7b /tmp/exl2-7b
+tail -2 "$OUT/exllamav2_build.log"
+exllamav2_on exl2-7b /tmp/exl2-7b
+exllamav2_on gptq-7b /tmp/gptq-7b
+bench_model gptq-7b-cache-fp16 /tmp/gptq-7b --contexts 16000
+for c in q8 q4; do bench_model "gptq-7b-cache-$c" /tmp/gptq-7b --cache-dtype "$c" --contexts 4000,16000; done
+bench_model gptq-7b-speculative /tmp/gptq-7b --speculative --draft-preset qwen2.5-0.5b ${SPEC_FLAGS:-}
+[ -d /tmp/gptq-7b-act ] && bench_model gptq-7b-act /tmp/gptq-7b-act
+[ -d /tmp/gptq-7b-act ] && KOBOLD_BACKEND_GEMV_RULE=lean bench_model gptq-7b-act-lean /tmp/gptq-7b-act
+section "done"

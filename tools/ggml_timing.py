@@ -1,0 +1,65 @@
+"""Times the CUDA GGML kernels on Llama-2-7B shapes beside the GPTQ GEMV of the same shapes.
+
+Per kernel: microseconds per call from a CUDA graph (the GPU time) and the bandwidth that achieves over the
+weight bytes. Weights rotate over copies larger than the L2 cache, as in tools/ext_timing.py (whose timers this
+uses). Run on a GPU machine from the repository root after building the module:
+`PYTHONPATH=. python tools/ggml_timing.py`.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from kobold_backend.bench.gguf_checkpoint import SCALE_FIELDS
+from kobold_backend.ops import native
+from kobold_backend.ops.ggml import GGML_TYPES, TYPE_IDS, GGMLWeight, row_bytes
+from tools.ext_timing import copies_for, gptq_bytes, gptq_weight, time_graph
+
+SCALES = dict(SCALE_FIELDS, Q8_0=((0, 1e-3),), Q4_0=((0, 1e-3),), Q5_K=SCALE_FIELDS["Q4_K"])
+
+
+def ggml_weight(type_name: str, k: int, n: int, seed: int) -> GGMLWeight:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    size = GGML_TYPES[TYPE_IDS[type_name]][2]
+    data = torch.randint(0, 256, (n, row_bytes(type_name, k)), generator=g, device="cuda", dtype=torch.uint8)
+    blocks = data.view(-1, size)
+    for offset, value in SCALES[type_name]:
+        blocks[:, offset:offset + 2] = torch.tensor([value], dtype=torch.float16).view(torch.uint8).cuda()
+    return GGMLWeight(data, type_name, k, n)
+
+
+def main() -> None:
+    kern = native.cuda_kernels()
+    assert kern is not None and hasattr(kern.module, "ggml_gemv"), "build the CUDA module with the GGML kernels"
+    rows: List[str] = []
+    for k, n, m in [(4096, 4096, 1), (4096, 11008, 1), (11008, 4096, 1), (4096, 32000, 1), (4096, 11008, 8)]:
+        x = torch.randn(m, k, device="cuda").half()
+        for type_name in ("Q4_K", "Q6_K", "Q5_K", "Q8_0", "Q4_0"):
+            w0 = ggml_weight(type_name, k, n, 0)
+            ws = [w0] + [ggml_weight(type_name, k, n, i + 1) for i in range(copies_for(w0.nbytes) - 1)]
+
+            def gemv(i: int, ws: List[GGMLWeight] = ws, x: torch.Tensor = x) -> None:
+                kern.ggml_matmul(x, ws[i % len(ws)])
+
+            us = time_graph(gemv, len(ws) * 2)
+            rows.append(f"ggml_gemv {type_name:5s} M={m} {k}x{n}: {us:8.1f} us  {w0.nbytes / us / 1e3:7.0f} GB/s")
+            del ws
+        g0 = gptq_weight(k, n, 128, False, seed=1)
+        gs = [g0] + [gptq_weight(k, n, 128, False, seed=2 + i) for i in range(copies_for(gptq_bytes(g0)) - 1)]
+
+        def gptq(i: int, gs: list = gs, x: torch.Tensor = x) -> None:
+            kern.gptq_matmul(x, gs[i % len(gs)])
+
+        us = time_graph(gptq, len(gs) * 2)
+        rows.append(f"gptq_gemv g128  M={m} {k}x{n}: {us:8.1f} us  {gptq_bytes(g0) / us / 1e3:7.0f} GB/s")
+        del gs
+    w = ggml_weight("Q4_K", 4096, 11008, 0)
+    us = time_graph(lambda i: kern.ggml_dequantize(w), 20)
+    rows.append(f"ggml_dequantize Q4_K 4096x11008 -> fp16: {us:8.1f} us")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Times the quantized KV cache on the GPU: one decode step's attention of a Llama-2-7B layer (32 heads of 128)
+over fp16, q8 and q4 caches, and greedy decode steps (CUDA graphs) of a Llama-2-7B-shaped GPTQ model cut to
+--layers layers, at each context; prints microseconds and cache MiB. The full-model figures come from
+`kobold-backend bench --cache-dtype q8 --contexts 4000,16000` (docs/performance.md).
+
+Run on a GPU machine from the repository root after building the kernels: `PYTHONPATH=. python
+tools/kv_quant_timing.py` (tools/device_kv_quant.sh does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import tempfile
+from pathlib import Path
+from typing import Callable, List
+
+import torch
+
+from kobold_backend import ops
+from kobold_backend.bench.checkpoint import PRESETS, write_synthetic_gptq
+from kobold_backend.bench.timing import random_ids
+from kobold_backend.engine.decode_graph import GraphDecoder
+from kobold_backend.engine.loader import load_model
+from kobold_backend.ops.kv_quant import QuantizedKV
+
+NAMES = ("fp16", "q8", "q4")
+
+
+def graph_us(fn: Callable[[], object], repeats: int = 50) -> float:
+    """Microseconds of one call replayed from a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / repeats
+
+
+def attention_table(contexts: List[int]) -> None:
+    print("one layer's decode attention (32 heads x 128, MHA), graph-replayed: us")
+    for n in contexts:
+        g = torch.Generator(device="cuda").manual_seed(n)
+        k = torch.randn(1, 32, n, 128, device="cuda", generator=g).half()
+        v = torch.randn(1, 32, n, 128, device="cuda", generator=g).half()
+        q = torch.randn(1, 32, 128, device="cuda", generator=g).half()
+        pos = torch.tensor([n - 1], device="cuda")
+        row = []
+        for name in NAMES:
+            if name == "fp16":
+                kc, vc = k, v
+            else:
+                bits = 8 if name == "q8" else 4
+                kc = QuantizedKV.empty(tuple(k.shape), bits, torch.float16, "cuda").copy_(k)
+                vc = QuantizedKV.empty(tuple(v.shape), bits, torch.float16, "cuda").copy_(v)
+            us = graph_us(functools.partial(ops.decode_attention_at, q, kc, vc, pos, n, 128 ** -0.5))
+            row.append(f"{name} {us:7.1f}")
+        print(f"  ctx {n:6d}: " + "   ".join(row))
+
+
+def decode_table(contexts: List[int], layers: int, steps: int) -> None:
+    shape = dataclasses.replace(PRESETS["llama2-7b"], layers=layers)
+    with tempfile.TemporaryDirectory(prefix="kvq-timing-") as tmp:
+        path = write_synthetic_gptq(Path(tmp) / "m", shape, max_position_embeddings=max(contexts) + 512)
+        lm = load_model(path, device="cuda", max_seq_len=max(contexts) + 256, with_tokenizer=False)
+    model = lm.model
+    print(f"greedy decode step of a Llama-2-7B shape cut to {layers} layers (CUDA graphs): ms per token, "
+          "cache MiB for the whole model (32 layers)")
+    for name in NAMES:
+        cache = model.new_cache(cache_dtype=name)
+        graph = GraphDecoder(model, cache)
+        cells = []
+        for n in contexts:
+            ids = random_ids(n, shape.vocab, n, "cuda")
+            cache.reset()
+            model.forward(ids[:, :-1], cache)
+            token = int(ids[0, -1])
+            for _ in range(3):
+                token = int(torch.argmax(graph.step(token)))
+            cache.truncate(n - 1)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                token = int(torch.argmax(graph.step(token)))
+            end.record()
+            torch.cuda.synchronize()
+            cells.append(f"ctx {n}: {start.elapsed_time(end) / steps:6.3f} ms")
+        mib = cache.nbytes / layers * 32 / 2**20 / cache.max_seq_len * 4096
+        print(f"  {name:5s} " + "   ".join(cells) + f"   ({mib:,.0f} MiB per 4096 tokens)")
+        del graph, cache
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", default="4000,16000")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=32)
+    args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    attention_table(contexts)
+    decode_table(contexts, args.layers, args.steps)
+
+
+if __name__ == "__main__":
+    main()
