@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import csv
 import hashlib
+import importlib
 import io
 import json
 import re
@@ -125,6 +126,10 @@ def test_install_uninstall_reinstall(koboldai: Path, checkpoints: CheckpointFact
     installed = freeze(python, koboldai)
     assert {k: v for k, v in installed.items() if k in original} == original  # pins untouched
     assert set(installed) - set(original) == {"kobold-backend", "kbtestdep"} | ext
+    # the environment also gets the command line, as `pip install .` gives it
+    scripts = host_import(python, "import sysconfig; print(sysconfig.get_path('scripts'))", koboldai).stdout.strip()
+    command = subprocess.run([str(Path(scripts) / "kobold-backend"), "--version"], capture_output=True, text=True)
+    assert command.returncode == 0 and kobold_backend.__version__ in command.stdout, command.stderr
 
     # United's import of the shim, in the host's Python, with the folder browser's is_valid
     probe = host_import(python, (
@@ -219,3 +224,18 @@ def test_plugin_toml_agrees_with_the_code() -> None:
     assert data["wheels"]["index"] == "wheels/index.json"
     assert united["python"] == ">=3.8" and united["torch"] == ">=2.1"
     assert united["pinned"]["transformers"] == "4.36.1"
+
+
+def test_the_plugin_wheel_declares_the_projects_command(tmp_path: Path) -> None:
+    """install-plugin's wheel gives United's environment the same `kobold-backend` script as `pip install .`:
+    pyproject.toml's [project.scripts] entry, which names a function that exists."""
+    pyproject = (Path(kobold_backend.__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    section = pyproject.split("[project.scripts]\n", 1)[1].split("\n[", 1)[0]
+    declared = dict(re.findall(r'^([\w-]+) = "([\w.:]+)"$', section, re.M))
+    assert declared == {"kobold-backend": "kobold_backend.cli.main:main"}
+    wheel = build_wheel(tmp_path, project_requirements())
+    with zipfile.ZipFile(wheel) as zf:
+        entry = zf.read(f"kobold_backend-{kobold_backend.__version__}.dist-info/entry_points.txt").decode()
+    assert entry.splitlines() == ["[console_scripts]"] + [f"{k} = {v}" for k, v in declared.items()]
+    module, _, attr = declared["kobold-backend"].partition(":")
+    assert callable(getattr(importlib.import_module(module), attr))

@@ -129,25 +129,19 @@ def forbidden_arrows(arrows: List[Arrow]) -> List[Arrow]:
     return out
 
 
-def room_circles(arrows: List[Arrow]) -> List[Tuple[List[str], List[Arrow]]]:
-    """Each strongly connected set of two or more rooms, with the arrows that join its members."""
-    graph: Dict[str, Set[str]] = {}
-    for a in arrows:
-        src, dst = room_of(a.source), room_of(a.target)
-        if src and dst and src != dst:
-            graph.setdefault(src, set()).add(dst)
-            graph.setdefault(dst, set())
+def strongly_connected(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Each set of two or more nodes that reach one another (Tarjan's strongly connected components), sorted."""
     index: Dict[str, int] = {}
     low: Dict[str, int] = {}
     stack: List[str] = []
     on_stack: Set[str] = set()
     groups: List[List[str]] = []
 
-    def visit(v: str) -> None:  # Tarjan's strongly connected components
+    def visit(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
-        for w in sorted(graph[v]):
+        for w in sorted(graph.get(v, ())):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -167,8 +161,29 @@ def room_circles(arrows: List[Arrow]) -> List[Tuple[List[str], List[Arrow]]]:
     for v in sorted(graph):
         if v not in index:
             visit(v)
+    return sorted(groups)
+
+
+def room_circles(arrows: List[Arrow]) -> List[Tuple[List[str], List[Arrow]]]:
+    """Each strongly connected set of two or more rooms, with the arrows that join its members."""
+    graph: Dict[str, Set[str]] = {}
+    for a in arrows:
+        src, dst = room_of(a.source), room_of(a.target)
+        if src and dst and src != dst:
+            graph.setdefault(src, set()).add(dst)
     return [(g, [a for a in arrows if room_of(a.source) in g and room_of(a.target) in g
-                 and room_of(a.source) != room_of(a.target)]) for g in groups]
+                 and room_of(a.source) != room_of(a.target)]) for g in strongly_connected(graph)]
+
+
+def module_circles(arrows: List[Arrow]) -> List[Tuple[List[str], List[Arrow]]]:
+    """Each set of two or more package modules that import one another, whatever kind of import (module level,
+    in a function, under TYPE_CHECKING, by name), with the arrows that join them. A module importing its own
+    package's __init__ on the way to a sibling is no arrow (Python runs that __init__ first anyway)."""
+    joins = [a for a in arrows if room_of(a.target) not in (None, "tests") and not a.source.startswith(a.target + ".")]
+    graph: Dict[str, Set[str]] = {}
+    for a in joins:
+        graph.setdefault(a.source, set()).add(a.target)
+    return [(g, [a for a in joins if a.source in g and a.target in g]) for g in strongly_connected(graph)]
 
 
 def test_the_scanner_sees_every_kind_of_import(tmp_path: Path) -> None:
@@ -204,6 +219,34 @@ def test_no_forbidden_arrow() -> None:
     if found:
         pytest.fail("imports that break the layering (docs/architecture.md, 'Allowed arrows'):\n"
                     + "\n".join("  " + a.where() for a in found))
+
+
+def test_a_circle_between_modules_of_one_room_is_caught(tmp_path: Path) -> None:
+    """A made-up circle inside the engine, closed by a function-level import and a TYPE_CHECKING one, as the
+    engine/config <-> engine/architectures circle was."""
+    pkg = tmp_path / PACKAGE
+    (pkg / "engine" / "families").mkdir(parents=True)
+    for init in (pkg, pkg / "engine", pkg / "engine" / "families"):
+        (init / "__init__.py").write_text("")
+    (pkg / "engine" / "families" / "__init__.py").write_text("from kobold_backend.engine.families import llama\n")
+    (pkg / "engine" / "families" / "llama.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kobold_backend.engine.config import Config\n")
+    (pkg / "engine" / "config.py").write_text("def read():\n    from kobold_backend.engine.families import lookup\n")
+    (pkg / "engine" / "leaf.py").write_text("from kobold_backend.engine import config\n")
+    circles = module_circles(package_arrows(pkg))
+    assert [g for g, _ in circles] == [["kobold_backend.engine.config", "kobold_backend.engine.families",
+                                        "kobold_backend.engine.families.llama"]]
+    assert [a.line for a in circles[0][1]] == [2, 1, 3]
+    assert room_circles(package_arrows(pkg)) == []  # one room: the room rule alone would not see it
+    (pkg / "engine" / "families" / "llama.py").write_text("from kobold_backend.engine import families\n")
+    assert module_circles(package_arrows(pkg)) == []  # a family importing its own package is no circle
+
+
+def test_no_circle_between_modules() -> None:
+    circles = module_circles(package_arrows())
+    if circles:
+        pytest.fail("modules that import each other:\n" + "\n".join(
+            f"  {' <-> '.join(group)}:\n" + "\n".join("    " + a.where() for a in joins) for group, joins in circles))
 
 
 def test_no_circle_between_rooms() -> None:

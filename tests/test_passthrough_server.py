@@ -147,3 +147,18 @@ def test_passthrough_does_not_affect_concurrent_or_later_plain_requests(built, f
         app.extensions["kobold_backend"].close()
     assert answers["steered"][0] != baseline
     assert answers["plain"] == [baseline] * 3
+
+
+def test_each_of_n_results_has_the_passthrough_of_its_own_run(app) -> None:
+    """n=2 with a capture: the engine runs the two completions (seed, seed + 1), each with a passthrough of its
+    own; each result equals the single request with its seed, captures included."""
+    client = app.test_client()
+    spec = {"capture": {"layers": [0], "phase": ["generated"], "dtype": "float32"}}
+    hot = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "max_length": 6}
+    many = post(client, passthrough=spec, n=2, sampler_seed=5, **hot).get_json()["results"]
+    singles = [post(client, passthrough=spec, sampler_seed=5 + i, **hot).get_json()["results"][0] for i in range(2)]
+    assert many == singles
+    for result in many:
+        positions = result["passthrough_results"]["capture"]["generated"]["0"]["positions"]
+        assert len(positions) == result["completion_tokens"] - 1
+    assert many[0]["text"] != many[1]["text"] or many[0]["passthrough_results"] != many[1]["passthrough_results"]

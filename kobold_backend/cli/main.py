@@ -31,12 +31,13 @@ def generate_request(args: argparse.Namespace, tokenizer: Any) -> GenerationRequ
     """`generate`'s flags as the engine's request (the prompt is not trimmed: the generator refuses one that does
     not fit)."""
     from kobold_backend.engine.request import GenerationRequest
+    from kobold_backend.engine.sampler_fields import cli_defaults
     from kobold_backend.engine.sampling import SamplerSettings
 
-    settings = SamplerSettings(
-        temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
-        rep_pen=args.rep_pen,
-    )
+    values = {name: getattr(args, name) for name in cli_defaults()}
+    if args.greedy:
+        values["temperature"] = 0.0
+    settings = SamplerSettings(**values)
     return GenerationRequest(prompt_ids=tokenizer.encode(args.prompt, add_bos=True),
                              max_new_tokens=args.max_new_tokens, settings=settings, seed=args.seed,
                              stop_strings=tuple(args.stop or ()))
@@ -59,10 +60,6 @@ def run_generate(args: argparse.Namespace) -> int:
     if s.speculation is not None:
         log.info("speculation: %s", s.speculation.describe())
     return 0
-
-
-# The sampler settings `generate` takes as flags, with the command's defaults.
-GENERATE_SAMPLER_DEFAULTS = {"temperature": 0.7, "top_k": 0, "top_p": 0.92, "rep_pen": 1.0}
 
 
 def add_sampler_flag(parser: argparse.ArgumentParser, name: str, default: float) -> None:
@@ -88,7 +85,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=100, metavar="N",
                    help="tokens to generate, at least 1")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    for name, default in GENERATE_SAMPLER_DEFAULTS.items():
+    from kobold_backend.engine.sampler_fields import cli_defaults
+
+    for name, default in cli_defaults().items():  # the settings engine/sampler_fields.py makes flags here
         add_sampler_flag(p, name, default)
     p.add_argument("--seed", type=int_at_least(0, 2**64 - 1), default=None,
                    help="sampler seed (default: a random one)")

@@ -1,20 +1,31 @@
 """Model configuration read once from a model folder: config.json, generation_config.json and GPTQ settings.
 
-Anything this engine cannot run is refused here with one sentence naming what was found.
+Anything this engine cannot run is refused here with one sentence naming what was found. The types it fills in
+live in engine/config_types.py, below the architecture descriptions, so that a description never imports this
+reader (which looks descriptions up).
 """
 
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
+from kobold_backend.engine.config_types import (  # noqa: F401  (RopeScaling, EXL2_QUANT: imported from here too)
+    EXL2_QUANT,
+    ConfigData,
+    Features,
+    QuantConfig,
+    RopeScaling,
+    RopeSpec,
+    parse_rope_scaling,
+    rope_settings,
+    rope_theta,
+)
 from kobold_backend.errors import ModelFormatError
 
 if TYPE_CHECKING:
-    from kobold_backend.engine.architectures import Architecture, Features, RopeSpec
+    from kobold_backend.engine.architectures.base import Architecture
 
 # Sanity bounds on config.json sizes, far above any released model (Llama 3.1 405B: 126 layers, hidden 16384,
 # 128 heads, vocab 128256), checked before anything is allocated from them.
@@ -25,64 +36,9 @@ CONFIG_BOUNDS = {
 }
 
 
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE scaling: "linear" (positions divided by factor), "llama3" (frequency-dependent) or "longrope"
-    (Phi-3: per-frequency short/long factors; `factor` is max_position_embeddings / original)."""
-
-    rope_type: str
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    short_factor: Tuple[float, ...] = ()
-    long_factor: Tuple[float, ...] = ()
-    attention_factor: float = 1.0
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    """Quantization settings: `method` "gptq" (4 or 8 bits), "awq" (AutoAWQ GEMM, 4-bit with zero points) or
-    "exl2" (exllamav2's mixed 2-8 bit groups; `bits` 0, each linear carries its own widths)."""
-
-    bits: int = 4
-    group_size: int = -1
-    desc_act: bool = False
-    sym: bool = True
-    checkpoint_format: str = "gptq"
-    method: str = "gptq"
-
-
-EXL2_QUANT = QuantConfig(bits=0, group_size=-1, sym=True, checkpoint_format="exl2", method="exl2")
-
-
-@dataclass
-class ModelConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: Optional[RopeScaling] = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    bos_token_id: Optional[int] = 1
-    eos_token_ids: Tuple[int, ...] = (2,)
-    model_type: str = "llama"
-    torch_dtype: str = "float16"
-    quant: Optional[QuantConfig] = None
-    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
-    architecture: str = "LlamaForCausalLM"
-    arch: Optional[Architecture] = field(default=None, repr=False)
-    features: Features = field(default=None, repr=False)  # type: ignore[assignment]
-
-    @property
-    def is_gptq(self) -> bool:
-        return self.quant is not None
+class ModelConfig(ConfigData):
+    """The configuration of one model folder or GGUF file, read by `from_dir` / `from_dict` with its architecture
+    description looked up (engine/architectures); the fields are ConfigData's."""
 
     @property
     def description(self) -> Architecture:
@@ -90,21 +46,12 @@ class ModelConfig:
         assert self.arch is not None, "ModelConfig built without from_dict has no architecture"
         return self.arch
 
-    def layer_window(self, index: int) -> Optional[int]:
-        """The sliding-window length of layer `index`, None for full attention."""
-        return self.features.windows[index]
-
-    def layer_rope(self, index: int) -> RopeSpec:
-        return self.features.ropes[index]
-
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
         """The config of a model folder, or of a .gguf file (from its metadata; no tensor data is read)."""
         folder = Path(path)
         if folder.suffix == ".gguf" and folder.is_file():
-            from kobold_backend.engine.gguf.checkpoint import gguf_config
-
-            return gguf_config(folder)
+            return cls._from_gguf(folder)
         if not folder.is_dir():
             raise ModelFormatError(f"Model folder {folder} does not exist or is not a folder.")
         cfg_path = folder / "config.json"
@@ -118,6 +65,18 @@ class ModelConfig:
             raise ModelFormatError(f"{folder} has no config.json; it is not a Hugging Face model folder.")
         raw = _read_json(cfg_path)
         return cls.from_dict(raw, folder)
+
+    @classmethod
+    def _from_gguf(cls, path: Path) -> ModelConfig:
+        """From a GGUF file's metadata and its small RoPE tables (no tensor data is read; the file is closed)."""
+        from kobold_backend.engine.gguf.config import hf_config
+        from kobold_backend.engine.gguf.file import GGUFFile
+
+        gguf = GGUFFile(path)
+        try:
+            return cls.from_dict(hf_config(gguf.metadata, gguf.names(), path.name, gguf.floats))
+        finally:
+            gguf.close()
 
     @classmethod
     def from_dict(cls, raw: Dict[str, Any], folder: Optional[Path] = None) -> ModelConfig:
@@ -185,8 +144,6 @@ def _complete(features: Features, config: ModelConfig) -> Features:
     """Fill the per-layer lists a description left empty: full attention and the config's one RoPE table."""
     from dataclasses import replace
 
-    from kobold_backend.engine.architectures import RopeSpec
-
     n = config.num_layers
     windows = features.windows or (None,) * n
     ropes = features.ropes or (RopeSpec(config.rope_theta, config.rope_scaling),) * n
@@ -231,78 +188,6 @@ def _special_ids(raw: Dict[str, Any], folder: Optional[Path]) -> Tuple[Optional[
         gen_eos = _as_id_tuple(gen.get("eos_token_id"))
         eos = tuple(dict.fromkeys(eos + gen_eos))
     return (int(bos) if bos is not None else None), eos
-
-
-def rope_settings(raw: Dict[str, Any]) -> Any:
-    """The RoPE scaling object: `rope_scaling` (transformers 4 and the Hub's configs) or `rope_parameters`
-    (what transformers 5 writes; it holds rope_theta too). Where `rope_parameters` is keyed by layer type
-    (Gemma 3), the global layers' entry is the model's; the description reads the others."""
-    return raw.get("rope_scaling") or _global_rope_parameters(raw)
-
-
-def _global_rope_parameters(raw: Dict[str, Any]) -> Any:
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
-        return params["full_attention"]
-    return params
-
-
-def rope_theta(raw: Dict[str, Any], default: float = 10000.0) -> float:
-    params = _global_rope_parameters(raw)
-    if raw.get("rope_theta") is None and isinstance(params, dict) and params.get("rope_theta") is not None:
-        return float(params["rope_theta"])
-    return float(raw.get("rope_theta") or default)
-
-
-def parse_rope_scaling(raw: Dict[str, Any], value: Any, head_dim: int, where: str) -> Optional[RopeScaling]:
-    """A `rope_scaling` / `rope_parameters` object (None when absent or "default")."""
-    if not value:
-        return None
-    if not isinstance(value, dict):
-        raise ModelFormatError(f"{where}: rope_scaling must be an object, found {value!r}.")
-    kind = value.get("rope_type") or value.get("type")
-    if kind == "default":
-        return None
-    factor = float(value.get("factor", 1.0))
-    if kind == "linear":
-        return RopeScaling("linear", factor=factor)
-    if kind == "llama3":
-        return RopeScaling(
-            "llama3",
-            factor=factor,
-            low_freq_factor=float(value.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(value.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(value.get("original_max_position_embeddings", 8192)),
-        )
-    if kind in ("longrope", "su"):
-        return _longrope(raw, value, head_dim, where)
-    raise ModelFormatError(
-        f"{where}: rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope; "
-        "NTK alpha is a load option)."
-    )
-
-
-def _longrope(raw: Dict[str, Any], value: Dict[str, Any], head_dim: int, where: str) -> RopeScaling:
-    """Phi-3's LongRoPE ("su"): per-frequency divisors (short below the original context, long above it) and an
-    attention factor sqrt(1 + ln(s) / ln(original)) with s = max_position_embeddings / original, unless given."""
-    factors = []
-    for name in ("short_factor", "long_factor"):
-        f = value.get(name)
-        if not isinstance(f, list) or len(f) != head_dim // 2:
-            raise ModelFormatError(f"{where}: rope_scaling {name} must be a list of head_dim / 2 = {head_dim // 2} "
-                                   f"numbers, found {f!r:.60}.")
-        factors.append(tuple(float(x) for x in f))
-    max_pos = int(raw.get("max_position_embeddings", 2048))
-    # transformers 5: the top-level original_max_position_embeddings (Phi-3) wins; the scaling factor is the
-    # object's `factor` when given, else max_position_embeddings / original
-    original = int(raw.get("original_max_position_embeddings") or value.get("original_max_position_embeddings")
-                   or max_pos)
-    factor = float(value.get("factor") or max_pos / original)
-    attention = value.get("attention_factor")
-    if attention is None:
-        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return RopeScaling("longrope", factor=factor, original_max_position_embeddings=original,
-                       short_factor=factors[0], long_factor=factors[1], attention_factor=float(attention))
 
 
 def _quant_config(raw: Dict[str, Any], folder: Optional[Path], where: str) -> Optional[QuantConfig]:

@@ -84,6 +84,16 @@ class GenerationStats:
     speculation: Optional[SpeculationStats] = None  # None when the model was loaded without speculation
 
 
+@dataclass
+class ChoiceEvent:
+    """One event of completion `index` of a request with n completions (Generator.stream_choices); the event that
+    ends the completion carries that completion's figures in `stats`."""
+
+    index: int
+    event: TokenEvent
+    stats: Optional[GenerationStats] = None
+
+
 class _TextTracker:
     """Generated token bytes, what was emitted, and hold-back for stop strings and banned phrases."""
 
@@ -228,13 +238,35 @@ class Generator:
 
     def stream(self, req: GenerationRequest) -> Iterator[TokenEvent]:
         """Yield a TokenEvent per sampled token and a final one; close the iterator to stop early. One completion:
-        a request with n > 1 is run as `req.choices()` one after another, or in lockstep by `stream_rows`."""
+        a request with n > 1 is run by `stream_choices` (one after another) or `stream_rows` (in lockstep)."""
         if req.n != 1:
-            raise RequestError("stream runs one completion; split the request with choices() or use stream_rows",
+            raise RequestError("stream runs one completion; use stream_choices or stream_rows",
                                "n")
         self._check(req)
         with self.lock:
             yield from self._run(req)
+
+    def stream_choices(self, req: GenerationRequest,
+                       hooks: Optional[Callable[[GenerationRequest], Optional[ForwardHooks]]] = None
+                       ) -> Iterator[ChoiceEvent]:
+        """The n completions of `req` one after another (completion i has seed + i, see GenerationRequest.choices),
+        each a run of its own on this generator's cache (prefix reuse, CUDA graphs, stats), so each equals the
+        single request with its seed. `hooks(choice)` gives a completion its own forward hooks. Once `req.abort`
+        is set, the completions that have not started are skipped. Close the iterator to stop early."""
+        self._check(req)
+        for i, choice in enumerate(req.choices()):
+            if i and req.abort is not None and req.abort.is_set():
+                return
+            if hooks is not None:
+                choice = replace(choice, passthrough=hooks(choice))
+            last: Optional[TokenEvent] = None
+            for event in self.stream(choice):
+                if event.finish_reason is not None:
+                    last = event  # the run's figures are final once its stream has ended
+                else:
+                    yield ChoiceEvent(i, event)
+            if last is not None:
+                yield ChoiceEvent(i, last, replace(self.stats))
 
     def stream_rows(self, req: GenerationRequest,
                     hooks: Optional[Callable[[int], Optional[ForwardHooks]]] = None) -> List[RowStream]:

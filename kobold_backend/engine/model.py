@@ -17,7 +17,7 @@ import torch
 
 from kobold_backend import ops
 from kobold_backend.engine.cache import KVCache
-from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.config_types import ConfigData
 from kobold_backend.engine.fuse import concat_outputs
 from kobold_backend.ops.exl2_weight import EXL2Weight
 from kobold_backend.ops.ggml import GGMLWeight
@@ -164,7 +164,7 @@ class Model:
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: ConfigData,
         embed_tokens: torch.Tensor,
         layers: List[Layer],
         norm: torch.Tensor,

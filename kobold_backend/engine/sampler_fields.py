@@ -3,8 +3,10 @@ sampler off), what it does, and the name, default and range it has in each diale
 
 Derived from this table: `SamplerSettings` and its validation (engine/sampling.py), the KoboldAI/KoboldCpp body's
 sampler keys with their 422 checks and OpenAPI schema (server/schemas.py FIELDS, server/openapi.py), OpenAI's other
-names for them (server/openai_schemas.RENAMES), United's GenerationSettings names and defaults
-(host/backend.UNITED_DEFAULTS) and the table in docs/samplers.md (`markdown_table`, checked by a test).
+names for them (server/openai_schemas.RENAMES), United's GenerationSettings names and defaults (`united_values`,
+read by host/backend), OpenAI's defaults (`openai_defaults`), the `generate` command's sampler flags and their
+defaults (`cli_defaults`), the web page's sampler inputs (`page_controls`, rendered into the page at / by
+server/web.py) and the table in docs/samplers.md (`markdown_table`, checked by a test).
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ class SamplerField:
     """One sampler setting. `minimum`/`maximum` bound what the engine accepts (`above`: the minimum itself is
     refused); `kobold` is its key in KoboldAI/KoboldCpp bodies (None: not sent there), with KoboldCpp's default,
     range and description where they differ from the engine's; `openai` lists the other names OpenAI clients (and
-    SillyTavern) use; `united` is the attribute of United's GenerationSettings, with United's default."""
+    SillyTavern) use, and `openai_default` its default on /v1 when that is not KoboldCpp's; `united` is the
+    attribute of United's GenerationSettings, with United's default; `cli_default` makes it a flag of `kobold-backend
+    generate` with that default; `page_label` shows it on the web page (with `page_step`, and `page_default` when
+    the page starts from another value than KoboldCpp's default)."""
 
     name: str
     kind: str
@@ -44,8 +49,13 @@ class SamplerField:
     kobold_doc: str = ""
     max_items: Optional[int] = None
     openai: Tuple[str, ...] = ()
+    openai_default: Any = SAME
     united: Optional[str] = None
     united_default: Any = None
+    cli_default: Any = None
+    page_label: str = ""
+    page_step: Optional[float] = None
+    page_default: Any = SAME
 
     def wire_default(self) -> Any:
         return self.default if self.kobold_default is SAME else self.kobold_default
@@ -59,26 +69,31 @@ class SamplerField:
 S = SamplerField
 SAMPLER_FIELDS: Tuple[SamplerField, ...] = (
     S("temperature", "number", 1.0, "Sampling temperature; 0 picks the most likely token.",
-      kobold="temperature", kobold_default=0.7, kobold_minimum=0, united="temp", united_default=0.5),
+      kobold="temperature", kobold_default=0.7, kobold_minimum=0, openai_default=1.0, united="temp",
+      united_default=0.5, cli_default=0.7, page_label="Temperature", page_step=0.05),
     S("top_k", "integer", 0, "Top-k (0 = off).", kobold="top_k", kobold_default=100, kobold_minimum=0,
-      united="top_k", united_default=0),
+      openai_default=0, united="top_k", united_default=0, cli_default=0, page_label="Top-k"),
     S("top_p", "number", 1.0, "Top-p / nucleus (1 = off).", minimum=0, maximum=1, kobold="top_p",
-      kobold_default=0.92, united="top_p", united_default=0.9),
-    S("top_a", "number", 0.0, "Top-a (0 = off).", minimum=0, kobold="top_a", united="top_a", united_default=0.0),
+      kobold_default=0.92, openai_default=1.0, united="top_p", united_default=0.9, cli_default=0.92,
+      page_label="Top-p", page_step=0.01),
+    S("top_a", "number", 0.0, "Top-a (0 = off).", minimum=0, kobold="top_a", united="top_a", united_default=0.0,
+      page_label="Top-a", page_step=0.01),
     S("tfs", "number", 1.0, "Tail-free sampling (1 = off).", minimum=0, maximum=1, kobold="tfs", united="tfs",
-      united_default=1.0),
+      united_default=1.0, page_label="TFS", page_step=0.01),
     S("typical", "number", 1.0, "Typical sampling (1 = off).", minimum=0, maximum=1, kobold="typical",
-      openai=("typical_p",), united="typical", united_default=1.0),
+      openai=("typical_p",), united="typical", united_default=1.0, page_label="Typical", page_step=0.01),
     S("min_p", "number", 0.0, "Min-p (0 = off); runs with top-p in sampler slot 2.", minimum=0, maximum=1,
-      kobold="min_p"),
+      kobold="min_p", page_label="Min-p", page_step=0.01),
     S("rep_pen", "number", 1.0, "Repetition penalty (1 = off; the rule is rep_pen_mode's).", minimum=0, above=True,
       kobold="rep_pen", kobold_minimum=1, kobold_doc="Repetition penalty (KoboldCpp semantics; 1 = off). Aliases "
       "repeat_penalty and repetition_penalty; the largest value wins.",
-      kobold_aliases=("repeat_penalty", "repetition_penalty"), united="rep_pen", united_default=1.1),
+      kobold_aliases=("repeat_penalty", "repetition_penalty"), united="rep_pen", united_default=1.1, cli_default=1.0,
+      page_label="Rep. penalty", page_step=0.01, page_default=1.07),
     S("rep_pen_range", "integer", 0, "Tokens looked back by the repetition penalty.", minimum=0,
-      kobold="rep_pen_range", kobold_default=320, united="rep_pen_range", united_default=2048),
+      kobold="rep_pen_range", kobold_default=320, united="rep_pen_range", united_default=2048,
+      page_label="Rep. range"),
     S("rep_pen_slope", "number", 1.0, "Penalty factor of the older half of the range.", minimum=0,
-      kobold="rep_pen_slope", united="rep_pen_slope", united_default=1.0),
+      kobold="rep_pen_slope", united="rep_pen_slope", united_default=1.0, page_label="Rep. slope", page_step=0.05),
     S("rep_pen_mode", "choice", "kobold_united", "Which repetition-penalty rule: KoboldAI United's or KoboldCpp's "
       "(the KoboldAI routes use koboldcpp, United kobold_united).", choices=REP_PEN_MODES),
     S("presence_penalty", "number", 0.0, "Subtracted from every token seen in the range.", kobold="presence_penalty",
@@ -135,6 +150,30 @@ def united_values(setting: Callable[[str], Any]) -> Dict[str, Any]:
 def openai_renames() -> Dict[str, Tuple[str, ...]]:
     """KoboldAI key -> the other names OpenAI clients send it under."""
     return {f.kobold: f.openai for f in SAMPLER_FIELDS if f.kobold is not None and f.openai}
+
+
+def openai_defaults() -> Dict[str, Any]:
+    """KoboldAI key -> the default /v1 applies when the body does not set it (where it is not KoboldCpp's)."""
+    return {f.kobold: f.openai_default for f in SAMPLER_FIELDS
+            if f.kobold is not None and f.openai_default is not SAME}
+
+
+def cli_defaults() -> Dict[str, Any]:
+    """Setting -> its default as a flag of `kobold-backend generate` (the settings that are flags there)."""
+    return {f.name: f.cli_default for f in SAMPLER_FIELDS if f.cli_default is not None}
+
+
+def page_controls() -> List[Dict[str, Any]]:
+    """The web page's sampler inputs: body key, label, integer or not, KoboldAI range, step and first value."""
+    out = []
+    for f in SAMPLER_FIELDS:
+        if not f.page_label or f.kobold is None:
+            continue
+        low, high = f.wire_range()
+        out.append({"key": f.kobold, "label": f.page_label, "integer": f.kind == "integer", "min": low,
+                    "max": high, "step": 1 if f.kind == "integer" else f.page_step,
+                    "value": f.wire_default() if f.page_default is SAME else f.page_default})
+    return out
 
 
 def _cell(value: Any) -> str:

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
+from kobold_backend.engine.request import GenerationRequest
 from kobold_backend.server.errors import NoModelLoaded
 from kobold_backend.server.logprobs import kobold_logprobs
 from kobold_backend.server.queue import Job
@@ -124,30 +125,33 @@ def generation_job(holder: Any, params: GenerateParams, default_max_length: int,
             raise NoModelLoaded()
         request = kobold_request(params, active.tokenizer, active.max_context, default_max_length,
                                  abort=job.abort_event)
+        attached: List[Any] = [None]  # the passthrough of the completion that runs now
+
+        def hooks(choice: GenerationRequest) -> Any:
+            attached[0] = passthrough.attach(active, choice)
+            return attached[0]
+
         results: List[RunResult] = []
-        for req in request.choices():
-            if results and job.abort_event.is_set():
-                break
-            job.new_run()
-            pt = passthrough.attach(active, req) if passthrough is not None else None
-            cut = _SingleLine(params.singleline)
-            pieces: List[str] = []
-            reason: Optional[str] = None
-            logprobs = None
-            for ev in active.generator.stream(req):
-                text = cut(ev.text)
-                pieces.append(text)
-                if ev.finish_reason is not None:
-                    reason = ev.finish_reason
-                    if ev.logprobs is not None:
-                        logprobs = kobold_logprobs(active.tokenizer, ev.logprobs)
-                    job.emit(text, kobold_finish_reason(reason))
-                else:
-                    job.emit(text)
-            stats = active.generator.stats
-            perf.record(stats, passthrough=pt is not None, logprobs=logprobs, genkey=params.genkey)
-            results.append(RunResult("".join(pieces), reason or "length", int(stats.prompt_tokens),
-                                     int(stats.completion_tokens), pt.results() if pt is not None else None,
+        job.new_run()
+        index = 0
+        cut = _SingleLine(params.singleline)
+        pieces: List[str] = []
+        for item in active.generator.stream_choices(request, hooks if passthrough is not None else None):
+            if item.index != index:  # the next completion starts: /generate/check shows its text
+                job.new_run()
+                index, cut, pieces = item.index, _SingleLine(params.singleline), []
+            ev = item.event
+            text = cut(ev.text)
+            pieces.append(text)
+            if item.stats is None:
+                job.emit(text)
+                continue
+            logprobs = None if ev.logprobs is None else kobold_logprobs(active.tokenizer, ev.logprobs)
+            job.emit(text, kobold_finish_reason(ev.finish_reason))
+            pt = attached[0]
+            perf.record(item.stats, passthrough=pt is not None, logprobs=logprobs, genkey=params.genkey)
+            results.append(RunResult("".join(pieces), ev.finish_reason or "length", int(item.stats.prompt_tokens),
+                                     int(item.stats.completion_tokens), pt.results() if pt is not None else None,
                                      logprobs))
         return results
 

@@ -46,16 +46,23 @@ NO_TEMPLATE = ("This model has no chat template (no chat_template in tokenizer_c
 
 
 @dataclass(frozen=True)
-class Choice:
-    """One completion to generate: choice `index` continues prompt `prompt_index` as the engine `request` says."""
+class Prompt:
+    """One prompt to continue: prompt `index`'s `request` has the n choices; its j-th choice is choice number
+    index * n + j of the answer."""
 
     index: int
-    prompt_index: int
     request: GenerationRequest
 
     @property
     def prompt_ids(self) -> List[int]:
         return self.request.prompt_ids
+
+    def choice_index(self, j: int) -> int:
+        return self.index * self.request.n + j
+
+    @property
+    def choice_indexes(self) -> range:
+        return range(self.choice_index(0), self.choice_index(self.request.n))
 
 
 @dataclass(frozen=True)
@@ -192,8 +199,8 @@ def _formatter(state: ServerState, active: ActiveModel) -> ChatFormatter:
     return ChatFormatter(source, active.tokenizer, active.path)
 
 
-def _plan(state: ServerState, active: ActiveModel, req: OpenAIRequest) -> List[Choice]:
-    """The choices in answer order: prompt p's j-th choice has index p * n + j and seed + j (one seed for every
+def _plan(state: ServerState, active: ActiveModel, req: OpenAIRequest) -> List[Prompt]:
+    """The prompts in answer order: prompt p's j-th choice has index p * n + j and seed + j (one seed for every
     prompt: sampler_seed/seed, or a random one)."""
     params = req.params
     if req.chat:
@@ -210,51 +217,66 @@ def _plan(state: ServerState, active: ActiveModel, req: OpenAIRequest) -> List[C
         prompts = [prompt_and_length(params, p, active.tokenizer, active.max_context, chat=False)
                    for p in req.prompts]
     seed = resolve_seed(params.sampler_seed)
-    n = params.n
-    return [Choice(p * n + j, p, choice) for p, (ids, max_new) in enumerate(prompts)
-            for j, choice in enumerate(openai_request(params, ids, max_new, seed, req.logprobs).choices())]
+    return [Prompt(p, openai_request(params, ids, max_new, seed, req.logprobs))
+            for p, (ids, max_new) in enumerate(prompts)]
 
 
-def _job(state: ServerState, active: ActiveModel, req: OpenAIRequest, plan: List[Choice], channel: _queue.Queue,
+def _job(state: ServerState, active: ActiveModel, req: OpenAIRequest, plan: List[Prompt], channel: _queue.Queue,
          extra: Optional[passthrough.RequestPassthrough]) -> Callable[[Job], List[ChoiceResult]]:
-    """The worker's side: the choices one after another; text and ends also go to `channel` for streaming."""
+    """The worker's side: the prompts one after another, each prompt's choices run by the generator; text and ends
+    also go to `channel` for streaming."""
 
     def run(job: Job) -> List[ChoiceResult]:
         if state.holder.active is not active:
             raise OpenAIError("The model was changed while this request waited; send it again.", 503, None,
                               "model_changed")
         results: List[ChoiceResult] = []
-        for choice in plan:
+        for prompt in plan:
             if results and job.abort_event.is_set():
                 break
-            job.new_run()
-            gen_req = replace(choice.request, abort=job.abort_event,
-                              grammar=grammar_constraint(req.params, active.tokenizer))
-            pt = extra.attach(active, gen_req) if extra is not None else None
-            pieces: List[str] = []
-            reason: Optional[str] = None
-            items = None
-            for ev in active.generator.stream(gen_req):
-                if ev.text:
-                    pieces.append(ev.text)
-                    job.emit(ev.text)
-                    channel.put(("text", choice.index, ev.text))
-                if ev.finish_reason is not None:
-                    reason = ev.finish_reason
-                    items = ev.logprobs
-            logprobs = None
-            if items is not None:
-                logprobs = (chat_logprobs if req.chat else completion_logprobs)(active.tokenizer, items)
-            stats = active.generator.stats
-            state.perf.record(stats, passthrough=pt is not None, genkey=req.params.genkey,
-                              logprobs=None if items is None else kobold_logprobs(active.tokenizer, items))
-            result = ChoiceResult(choice.index, "".join(pieces), openai_finish_reason(reason),
-                                  int(stats.completion_tokens), pt.results() if pt is not None else None, logprobs)
-            channel.put(("end", result.index, result))
-            results.append(result)
+            results.extend(_run_prompt(state, active, req, prompt, job, channel, extra))
         return results
 
     return run
+
+
+def _run_prompt(state: ServerState, active: ActiveModel, req: OpenAIRequest, prompt: Prompt, job: Job,
+                channel: _queue.Queue, extra: Optional[passthrough.RequestPassthrough]) -> List[ChoiceResult]:
+    """One prompt's n choices as the generator streams them (Generator.stream_choices)."""
+    gen_req = replace(prompt.request, abort=job.abort_event, grammar=grammar_constraint(req.params, active.tokenizer))
+    attached: List[Any] = [None]  # the passthrough of the choice that runs now
+
+    def hooks(choice: GenerationRequest) -> Any:
+        attached[0] = extra.attach(active, choice) if extra is not None else None
+        return attached[0]
+
+    results: List[ChoiceResult] = []
+    job.new_run()
+    current = 0
+    pieces: List[str] = []
+    for item in active.generator.stream_choices(gen_req, hooks if extra is not None else None):
+        if item.index != current:
+            job.new_run()
+            current, pieces = item.index, []
+        index, ev = prompt.choice_index(item.index), item.event
+        if ev.text:
+            pieces.append(ev.text)
+            job.emit(ev.text)
+            channel.put(("text", index, ev.text))
+        if item.stats is None:
+            continue
+        items = ev.logprobs
+        logprobs = None
+        if items is not None:
+            logprobs = (chat_logprobs if req.chat else completion_logprobs)(active.tokenizer, items)
+        pt = attached[0]
+        state.perf.record(item.stats, passthrough=pt is not None, genkey=req.params.genkey,
+                          logprobs=None if items is None else kobold_logprobs(active.tokenizer, items))
+        result = ChoiceResult(index, "".join(pieces), openai_finish_reason(ev.finish_reason),
+                              int(item.stats.completion_tokens), pt.results() if pt is not None else None, logprobs)
+        channel.put(("end", index, result))
+        results.append(result)
+    return results
 
 
 def _serve(req: OpenAIRequest, body: Dict[str, Any]) -> Any:
@@ -284,19 +306,19 @@ def _serve(req: OpenAIRequest, body: Dict[str, Any]) -> Any:
 
 # -- answers -----------------------------------------------------------------------------------------------------
 
-def _usage(plan: List[Choice], results: List[ChoiceResult]) -> Dict[str, int]:
+def _usage(plan: List[Prompt], results: List[ChoiceResult]) -> Dict[str, int]:
     """Each prompt counts once however many choices continue it."""
-    prompt = sum({c.prompt_index: len(c.prompt_ids) for c in plan}.values())
+    prompt = sum(len(p.prompt_ids) for p in plan)
     completion = sum(r.completion_tokens for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _answer(meta: Meta, plan: List[Choice], results: List[ChoiceResult]) -> Dict[str, Any]:
+def _answer(meta: Meta, plan: List[Prompt], results: List[ChoiceResult]) -> Dict[str, Any]:
     """The non-streamed answer; a choice that never ran (its request was aborted) is empty with "length"."""
     by_index = {r.index: r for r in results}
     choices = []
-    for c in plan:
-        r = by_index.get(c.index, ChoiceResult(c.index, "", "length", 0))
+    for index in (i for p in plan for i in p.choice_indexes):
+        r = by_index.get(index, ChoiceResult(index, "", "length", 0))
         choice: Dict[str, Any]
         if meta.chat:
             choice = {"index": r.index, "message": {"role": "assistant", "content": r.text}, "logprobs": r.logprobs,
@@ -357,7 +379,7 @@ def _events(job: Job, channel: _queue.Queue, disconnected: Callable[[], bool]) -
             return
 
 
-def _stream(meta: Meta, plan: List[Choice], first: Optional[Tuple[Any, ...]], rest: Iterator[Tuple[Any, ...]],
+def _stream(meta: Meta, plan: List[Prompt], first: Optional[Tuple[Any, ...]], rest: Iterator[Tuple[Any, ...]],
             job: Job, work: WorkQueue) -> Iterator[bytes]:
     """The SSE body: per choice (chat: a first chunk with the role) text chunks, a chunk with finish_reason; a usage
     chunk when asked for; `data: [DONE]`. Closing it early (the client went away) aborts the job."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from kobold_backend.engine.logprobs import MAX_TOP_LOGPROBS
-from kobold_backend.engine.sampler_fields import openai_renames
+from kobold_backend.engine.sampler_fields import openai_defaults, openai_renames
 from kobold_backend.server.logprobs import KOBOLDCPP_TOP_LOGPROBS
 from kobold_backend.server.schemas import (
     FIELDS,
@@ -30,8 +30,6 @@ RENAMES: Dict[str, Tuple[str, ...]] = {
 # KoboldAI fields that do not apply: the prompt comes from prompt/messages, stop strings are always cut from the
 # output, and `logprobs` means something else in OpenAI's API (a count: completion_logprobs_count below).
 EXCLUDED = frozenset({"prompt", "memory", "singleline", "trim_stop", "logprobs"})
-# OpenAI's sampling defaults (KoboldCpp's top-k 100 / top-p 0.92 / temperature 0.7 apply on /api only).
-OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 16  # prompts in one /v1/completions list
 ROLES = ("system", "user", "assistant")
@@ -106,7 +104,8 @@ def _sampler_params(body: Dict[str, Any], default_max_tokens: Optional[int]) -> 
             if body.get(key) is not None:
                 kobold[key] = body[key]
     present = {k for k in kobold if k != "prompt"}
-    for name, value in OPENAI_DEFAULTS.items():
+    # OpenAI's sampling defaults (KoboldCpp's top-k 100 / top-p 0.92 / temperature 0.7 apply on /api only)
+    for name, value in openai_defaults().items():
         if name not in present:
             kobold[name] = value
     if "max_length" not in present and default_max_tokens is not None:

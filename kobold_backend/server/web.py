@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from html import escape
 from pathlib import Path
 from typing import Any
 
-from flask import Blueprint, current_app, jsonify, request
+from flask import Blueprint, Response, current_app, jsonify, request
 
 from kobold_backend.demo import demo_label
 from kobold_backend.server import models as model_files
@@ -16,9 +17,30 @@ from kobold_backend.server.state import get_state, read_json
 bp = Blueprint("web", __name__)
 
 
+SAMPLER_MARK = "<!-- sampler-controls -->"
+
+
+def sampler_inputs() -> str:
+    """The page's sampler inputs, one per setting engine/sampler_fields.py shows on the page."""
+    from kobold_backend.engine.sampler_fields import page_controls
+
+    out = []
+    for c in page_controls():
+        attrs = {"id": c["key"], "type": "number", "min": c["min"], "max": c["max"], "step": c["step"],
+                 "value": c["value"], "data-integer": "1" if c["integer"] else None}
+        text = " ".join(f'{k}="{escape(_attr(v))}"' for k, v in attrs.items() if v is not None)
+        out.append(f"<label>{escape(c['label'])} <input {text}></label>")
+    return "\n          ".join(out)
+
+
+def _attr(value: Any) -> str:
+    return format(value, "g") if isinstance(value, float) else str(value)
+
+
 @bp.get("/")
 def index() -> Any:
-    resp = current_app.send_static_file("index.html")
+    page = Path(current_app.static_folder or "", "index.html").read_text(encoding="utf-8")
+    resp = Response(page.replace(SAMPLER_MARK, sampler_inputs()), mimetype="text/html")
     resp.headers["Cache-Control"] = "no-cache"
     return resp
 

@@ -9,55 +9,14 @@ is one module in this package that subclasses `Architecture` and registers itsel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
+from kobold_backend.engine.config_types import ConfigData, Features, RopeSpec
 from kobold_backend.errors import ModelFormatError
 
-if TYPE_CHECKING:
-    from kobold_backend.engine.config import ModelConfig, RopeScaling
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """One RoPE table: its base and its scaling (None: plain)."""
-
-    theta: float
-    scaling: Optional[RopeScaling] = None
-
-    @property
-    def attention_factor(self) -> float:
-        """What the tables' cos and sin are multiplied by (LongRoPE's attention scaling; 1 otherwise)."""
-        return 1.0 if self.scaling is None else self.scaling.attention_factor
-
-
-@dataclass(frozen=True)
-class Features:
-    """The switches of one model that the generic forward reads. Defaults are Llama's.
-
-    - `biases`: projections that carry a bias (`q_proj`, ..., or fused `qkv_proj`).
-    - `qk_norm`: RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3).
-    - `norm_offset`: added to every RMSNorm weight at load (Gemma's `(1 + weight)`).
-    - `attn_out_norm` / `mlp_out_norm`: RMSNorm on the attention / MLP output before the residual add (Gemma 2/3).
-    - `activation`: the gate activation of the MLP (`silu`, `gelu_tanh`).
-    - `embed_scale`: embeddings are multiplied by it (in the compute dtype) before the first layer (Gemma).
-    - `attn_scale`: multiplies q·k (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5).
-    - `attn_softcap` / `final_softcap`: `c * tanh(x / c)` on attention scores / final logits (Gemma 2).
-    - `windows`: per layer, the sliding-window length (None: full attention).
-    - `ropes`: per layer, the RoPE table it uses (Gemma 3 local/global layers differ).
-    """
-
-    biases: Tuple[str, ...] = ()
-    qk_norm: bool = False
-    norm_offset: float = 0.0
-    attn_out_norm: bool = False
-    mlp_out_norm: bool = False
-    activation: str = "silu"
-    embed_scale: Optional[float] = None
-    attn_scale: Optional[float] = None
-    attn_softcap: Optional[float] = None
-    final_softcap: Optional[float] = None
-    windows: Tuple[Optional[int], ...] = ()
-    ropes: Tuple[RopeSpec, ...] = ()
+__all__ = ["Architecture", "Features", "LayerLayout", "Linear", "RopeSpec", "activation", "layer_type_windows",
+           "lookup", "positive_window", "register", "supported_class_names", "supported_model_types",
+           "uniform_windows"]
 
 
 @dataclass(frozen=True)
@@ -101,7 +60,7 @@ class Architecture:
     #: fused checkpoint projections: {"qkv_proj": "self_attn.qkv_proj", "gate_up_proj": "mlp.gate_up_proj"}
     fused: Dict[str, str] = {}
 
-    def features(self, raw: Dict[str, Any], config: ModelConfig, where: str) -> Features:
+    def features(self, raw: Dict[str, Any], config: ConfigData, where: str) -> Features:
         """Read the architecture-specific switches. The default is Llama's (with its attention_bias/mlp_bias)."""
         biases: Tuple[str, ...] = ()
         if raw.get("attention_bias"):
@@ -110,7 +69,7 @@ class Architecture:
             biases += ("gate_proj", "up_proj", "down_proj")
         return Features(biases=biases, activation=activation(raw, where))
 
-    def layout(self, config: ModelConfig, index: int) -> LayerLayout:
+    def layout(self, config: ConfigData, index: int) -> LayerLayout:
         """Where layer `index` keeps its tensors; the default is the Llama layout with optional fused projections."""
         h, inter = config.hidden_size, config.intermediate_size
         qd, kvd = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
@@ -142,7 +101,7 @@ class Architecture:
             norms["k_norm"] = ("self_attn.k_norm", config.head_dim)
         return LayerLayout(linears, norms, f.biases)
 
-    def build_mlp(self, loader: Any, config: ModelConfig, index: int) -> Optional[Any]:
+    def build_mlp(self, loader: Any, config: ConfigData, index: int) -> Optional[Any]:
         """Hook for a non-dense MLP (routed experts): return an object the layer calls instead of gate/up/down.
 
         `loader` is the loader's per-layer context (see engine/loader.py `LayerLoader`). None: the dense MLP."""
@@ -161,13 +120,13 @@ def activation(raw: Dict[str, Any], where: str, default: str = "silu") -> str:
     return _ACTIVATIONS[name]
 
 
-def uniform_windows(raw: Dict[str, Any], config: ModelConfig, where: str) -> Tuple[Optional[int], ...]:
+def uniform_windows(raw: Dict[str, Any], config: ConfigData, where: str) -> Tuple[Optional[int], ...]:
     """`sliding_window` applied to every layer (Mistral); null or absent: full attention everywhere."""
     window = positive_window(raw.get("sliding_window"), where)
     return (window,) * config.num_layers
 
 
-def layer_type_windows(raw: Dict[str, Any], config: ModelConfig, window: Optional[int],
+def layer_type_windows(raw: Dict[str, Any], config: ConfigData, window: Optional[int],
                        default_types: Tuple[str, ...], where: str) -> Tuple[Optional[int], ...]:
     """`window` on the layers config.json's `layer_types` (else `default_types`) marks "sliding_attention"."""
     types = raw.get("layer_types") or default_types

@@ -24,7 +24,7 @@ from kobold_backend.engine.architectures.base import (
     positive_window,
     register,
 )
-from kobold_backend.engine.config import ModelConfig, parse_rope_scaling
+from kobold_backend.engine.config_types import ConfigData, parse_rope_scaling
 from kobold_backend.errors import ModelFormatError
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -39,7 +39,7 @@ def _positive(raw: Dict[str, Any], key: str, where: str, default: Optional[float
     return float(value)
 
 
-def _layer_windows(raw: Dict[str, Any], config: ModelConfig, pattern: int, where: str) -> Tuple[Optional[int], ...]:
+def _layer_windows(raw: Dict[str, Any], config: ConfigData, pattern: int, where: str) -> Tuple[Optional[int], ...]:
     """`sliding_window` on the layers `layer_types` marks "sliding_attention" (else: every layer whose
     (index + 1) is not a multiple of `pattern` is local)."""
     window = positive_window(raw.get("sliding_window"), where)
@@ -58,7 +58,7 @@ class Gemma2(Architecture):
     #: local:global layer pattern when config.json has no layer_types
     pattern = 2
 
-    def features(self, raw: Dict[str, Any], config: ModelConfig, where: str) -> Features:
+    def features(self, raw: Dict[str, Any], config: ConfigData, where: str) -> Features:
         act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in _GELU_TANH:
             raise ModelFormatError(f"{where}: hidden_activation {act!r} is not supported for Gemma "
@@ -82,7 +82,7 @@ class Gemma3(Gemma2):
     class_names = ("Gemma3ForCausalLM",)
     pattern = 6
 
-    def features(self, raw: Dict[str, Any], config: ModelConfig, where: str) -> Features:
+    def features(self, raw: Dict[str, Any], config: ConfigData, where: str) -> Features:
         pattern = raw.get("sliding_window_pattern", 6)
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
             raise ModelFormatError(f"{where}: sliding_window_pattern must be a positive integer, found {pattern!r}.")
@@ -92,7 +92,7 @@ class Gemma3(Gemma2):
         return replace(super().features(raw, config, where), qk_norm=True, windows=windows, ropes=ropes)
 
     @staticmethod
-    def _ropes(raw: Dict[str, Any], config: ModelConfig, where: str) -> Tuple[RopeSpec, RopeSpec]:
+    def _ropes(raw: Dict[str, Any], config: ConfigData, where: str) -> Tuple[RopeSpec, RopeSpec]:
         """(local, global) RoPE tables from the Hub's keys or transformers 5's per-layer-type `rope_parameters`."""
         params = raw.get("rope_parameters")
         if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):

@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any, Dict
 
 from kobold_backend.engine.architectures.base import Architecture, Features, register, uniform_windows
-from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.config_types import ConfigData
 
 
 class Llama(Architecture):
@@ -19,7 +19,7 @@ class Mistral(Architecture):
     model_types = ("mistral",)
     class_names = ("MistralForCausalLM",)
 
-    def features(self, raw: Dict[str, Any], config: ModelConfig, where: str) -> Features:
+    def features(self, raw: Dict[str, Any], config: ConfigData, where: str) -> Features:
         return replace(super().features(raw, config, where), windows=uniform_windows(raw, config, where))
 
 

@@ -23,7 +23,7 @@ from kobold_backend.engine.architectures.base import (
     register,
     uniform_windows,
 )
-from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.config_types import ConfigData
 from kobold_backend.engine.moe import RoutedExperts, stack_expert_mlps
 from kobold_backend.errors import ModelFormatError
 
@@ -55,20 +55,20 @@ def _count(raw: Dict[str, Any], keys: Tuple[str, ...], where: str) -> int:
 class RoutedArchitecture(Architecture):
     """Shared by the routed families: the dense MLP of routed layers leaves the layout; build_mlp loads experts."""
 
-    def moe(self, raw: Dict[str, Any], config: ModelConfig, where: str) -> MoeSpec:
+    def moe(self, raw: Dict[str, Any], config: ConfigData, where: str) -> MoeSpec:
         raise NotImplementedError
 
     def routed(self, raw: Dict[str, Any], index: int) -> bool:
         return True
 
-    def check(self, raw: Dict[str, Any], config: ModelConfig, where: str) -> None:
+    def check(self, raw: Dict[str, Any], config: ConfigData, where: str) -> None:
         """Refuse a config whose routing cannot work, before any weight is read."""
         spec = self.moe(raw, config, where)
         if spec.top_k > spec.num_experts:
             raise ModelFormatError(f"{where}: num_experts_per_tok {spec.top_k} exceeds the {spec.num_experts} "
                                    "experts.")
 
-    def layout(self, config: ModelConfig, index: int) -> LayerLayout:
+    def layout(self, config: ConfigData, index: int) -> LayerLayout:
         """The dense MLP leaves a routed layer; its router and experts are listed as `mlp_linears` (named
         `router` and `E.gate` / `E.up` / `E.down`), which `build_mlp` loads."""
         layout = super().layout(config, index)
@@ -86,7 +86,7 @@ class RoutedArchitecture(Architecture):
         linears = {k: v for k, v in layout.linears.items() if k not in _DENSE_MLP}
         return replace(layout, linears=linears, mlp_linears=mlp)
 
-    def build_mlp(self, loader: Any, config: ModelConfig, index: int) -> Optional[RoutedExperts]:
+    def build_mlp(self, loader: Any, config: ConfigData, index: int) -> Optional[RoutedExperts]:
         if not self.routed(config.raw, index):
             return None
         from kobold_backend.engine.model import ACTIVATIONS
@@ -113,11 +113,11 @@ class Mixtral(RoutedArchitecture):
     model_types = ("mixtral",)
     class_names = ("MixtralForCausalLM",)
 
-    def features(self, raw: Dict[str, Any], config: ModelConfig, where: str) -> Features:
+    def features(self, raw: Dict[str, Any], config: ConfigData, where: str) -> Features:
         self.check(raw, config, where)
         return replace(super().features(raw, config, where), windows=uniform_windows(raw, config, where))
 
-    def moe(self, raw: Dict[str, Any], config: ModelConfig, where: str) -> MoeSpec:
+    def moe(self, raw: Dict[str, Any], config: ConfigData, where: str) -> MoeSpec:
         return MoeSpec("block_sparse_moe", ("w1", "w3", "w2"), _count(raw, ("num_local_experts",), where),
                        _count(raw, ("num_experts_per_tok",), where), config.intermediate_size, True)
 
@@ -126,13 +126,13 @@ class Qwen3Moe(RoutedArchitecture):
     model_types = ("qwen3_moe",)
     class_names = ("Qwen3MoeForCausalLM",)
 
-    def features(self, raw: Dict[str, Any], config: ModelConfig, where: str) -> Features:
+    def features(self, raw: Dict[str, Any], config: ConfigData, where: str) -> Features:
         self.check(raw, config, where)
         # transformers applies `sliding_window` to every layer when `use_sliding_window` is set (off in releases)
         windows = uniform_windows(raw, config, where) if raw.get("use_sliding_window") else ()
         return replace(super().features(raw, config, where), qk_norm=True, windows=windows)
 
-    def moe(self, raw: Dict[str, Any], config: ModelConfig, where: str) -> MoeSpec:
+    def moe(self, raw: Dict[str, Any], config: ConfigData, where: str) -> MoeSpec:
         # transformers 5 writes num_local_experts where the Hub's configs say num_experts
         return MoeSpec("mlp", ("gate_proj", "up_proj", "down_proj"),
                        _count(raw, ("num_experts", "num_local_experts"), where),

@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any, Dict
 
 from kobold_backend.engine.architectures.base import Architecture, Features, register, uniform_windows
-from kobold_backend.engine.config import ModelConfig, rope_settings
+from kobold_backend.engine.config_types import ConfigData, rope_settings
 from kobold_backend.errors import ModelFormatError
 
 
@@ -17,7 +17,7 @@ class Phi3(Architecture):
     class_names = ("Phi3ForCausalLM",)
     fused = {"qkv_proj": "self_attn.qkv_proj", "gate_up_proj": "mlp.gate_up_proj"}
 
-    def features(self, raw: Dict[str, Any], config: ModelConfig, where: str) -> Features:
+    def features(self, raw: Dict[str, Any], config: ConfigData, where: str) -> Features:
         partial = (rope_settings(raw) or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
         if partial not in (None, 1, 1.0):
             raise ModelFormatError(f"{where}: partial_rotary_factor {partial} is not supported (RoPE over the "

@@ -14,11 +14,11 @@ from kobold_backend.engine.architectures.base import (
     positive_window,
     register,
 )
-from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.config_types import ConfigData
 from kobold_backend.errors import ModelFormatError
 
 
-def qwen_windows(raw: Dict[str, Any], config: ModelConfig, where: str) -> Tuple[Optional[int], ...]:
+def qwen_windows(raw: Dict[str, Any], config: ConfigData, where: str) -> Tuple[Optional[int], ...]:
     window = positive_window(raw.get("sliding_window"), where) if raw.get("use_sliding_window") else None
     first = raw.get("max_window_layers", 28)
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:
@@ -32,7 +32,7 @@ class Qwen2(Architecture):
     model_types = ("qwen2",)
     class_names = ("Qwen2ForCausalLM",)
 
-    def features(self, raw: Dict[str, Any], config: ModelConfig, where: str) -> Features:
+    def features(self, raw: Dict[str, Any], config: ConfigData, where: str) -> Features:
         base = super().features(raw, config, where)
         return replace(base, biases=("q_proj", "k_proj", "v_proj"), windows=qwen_windows(raw, config, where))
 
@@ -41,7 +41,7 @@ class Qwen3(Architecture):
     model_types = ("qwen3",)
     class_names = ("Qwen3ForCausalLM",)
 
-    def features(self, raw: Dict[str, Any], config: ModelConfig, where: str) -> Features:
+    def features(self, raw: Dict[str, Any], config: ConfigData, where: str) -> Features:
         base = super().features(raw, config, where)  # attention_bias: q/k/v/o biases, off in released models
         return replace(base, qk_norm=True, windows=qwen_windows(raw, config, where))
 

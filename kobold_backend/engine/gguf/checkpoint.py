@@ -17,11 +17,7 @@ from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
 
 def gguf_config(path: Path) -> ModelConfig:
     """The ModelConfig of a GGUF file alone (metadata and the small RoPE tables; the file is closed after)."""
-    gguf = GGUFFile(path)
-    try:
-        return ModelConfig.from_dict(hf_config(gguf.metadata, gguf.names(), path.name, gguf.floats))
-    finally:
-        gguf.close()
+    return ModelConfig.from_dir(path)
 
 
 def is_gguf(path: Path) -> bool:

@@ -4,9 +4,8 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const SAMPLER_FIELDS = ["max_length", "max_context_length", "temperature", "top_k", "top_p", "min_p", "top_a",
-  "typical", "tfs", "rep_pen", "rep_pen_range", "rep_pen_slope", "sampler_seed"];
-const INT_FIELDS = new Set(["max_length", "max_context_length", "top_k", "rep_pen_range", "sampler_seed"]);
+// The sampler inputs are the page's (#sampler): the server renders one per setting that engine/sampler_fields.py
+// shows on the page; each input's id is its body key, data-integer="1" marks whole numbers.
 
 let genkey = null;
 let mode = "story";
@@ -216,10 +215,10 @@ async function loadModel() {
 
 function samplerBody() {
   const body = {};
-  for (const f of SAMPLER_FIELDS) {
-    const raw = $(f).value;
+  for (const input of document.querySelectorAll("#sampler input")) {
+    const raw = input.value;
     if (raw === "") continue;
-    body[f] = INT_FIELDS.has(f) ? parseInt(raw, 10) : parseFloat(raw);
+    body[input.id] = input.dataset.integer === "1" ? parseInt(raw, 10) : parseFloat(raw);
   }
   body.stop_sequence = $("stop_sequence").value.split("\n").filter((s) => s !== "")
     .map((s) => s.replace(/\\n/g, "\n"));
