@@ -4,7 +4,9 @@
 # files), time the GEMV variants, then the benches one at a time on an otherwise idle GPU: 7B GPTQ / GGUF Q4_K_M /
 # EXL2 4.0 bpw (GPTQ and EXL2 beside exllamav2 on the same folders), quantized KV caches and speculation.
 # Carry .whl (gguf, flask, waitress, exllamav2 wheels). Logs and JSON go to $OUT; a summary is printed last.
-# Sections are skipped once the call's time is spent (LIMIT, seconds; default 560).
+# Sections are skipped once the call's time is spent (LIMIT, seconds; default 560); SECTIONS (words: tests gemv
+# gptq gguf exl2 exllamav2 kv spec act) runs only those. Everything ends up in $OUT/results.tgz (the device tool
+# brings back a few files only).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kb-device}; mkdir -p "$OUT"
@@ -16,14 +18,19 @@ export PYTHONPATH="$PWD:/tmp/site"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u
 python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__)"
 left() { echo $((LIMIT - SECONDS)); }
+want() { [ -z "${SECTIONS:-}" ] || [[ " $SECTIONS " == *" $1 "* ]]; }
+finish() { (cd "$OUT" && tar czf /tmp/results.tgz --exclude=results.tgz . && rm -rf ./* && mv /tmp/results.tgz .); }
+trap finish EXIT
 section() { echo "== $1 at ${SECONDS} s"; }
 
 section "exllamav2 JIT build (background)"
-(python3 -c "import exllamav2.ext" > "$OUT/exllamav2_build.log" 2>&1; echo "rc=$?" >> "$OUT/exllamav2_build.log") &
+want exllamav2 && { (python3 -c "import exllamav2.ext" > "$OUT/exllamav2_build.log" 2>&1
+  echo "rc=$?" >> "$OUT/exllamav2_build.log") & }
 
 section "build (sm_90)"
 python3 -m kobold_backend.ops.build --cpu --cuda > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 
+want tests && {
 section "GPU tests"
 LOGS=/tmp/kb-gpu-logs; rm -rf "$LOGS"; mkdir -p "$LOGS"
 FIRST="${GPU_FIRST:-}"
@@ -32,9 +39,11 @@ echo "$FILES" | xargs -P "${TEST_WORKERS:-4}" -I{} sh -c \
   'n=$(basename {} .py); s=$(date +%s); timeout '"${PER_FILE_LIMIT:-200}"' python3 -m pytest -q -p no:cacheprovider -m gpu -rfE {} > '"$LOGS"'/$n.log 2>&1; echo "$n rc=$? $(( $(date +%s) - s ))s: $(grep -E "passed|failed|error|no tests ran" '"$LOGS"'/$n.log | tail -1)" >> '"$LOGS"'/summary.txt'
 sort "$LOGS/summary.txt"; cat "$LOGS"/test_*.log > "$OUT/gpu_tests.log"
 grep -h "^FAILED\|^ERROR" "$LOGS"/test_*.log | cut -c1-300 | head -40
+grep -h -B2 -A12 "^E  " "$LOGS"/test_*.log | cut -c1-240 | head -80
+}
 
-section "GEMV variants"
-timeout 60 python3 tools/gptq_gemv_bench.py --quick > "$OUT/gemv.txt" 2>&1; grep -v "^ " "$OUT/gemv.txt" | tail -30
+want gemv && { section "GEMV variants"
+timeout 60 python3 tools/gptq_gemv_bench.py --quick > "$OUT/gemv.txt" 2>&1; grep -v "^ " "$OUT/gemv.txt" | tail -30; }
 
 bench_model() {  # bench_model NAME PATH [extra bench flags...]: our bench on a written checkpoint
   local name=$1 path=$2; shift 2
@@ -72,16 +81,18 @@ for name, write in (("gptq", lambda: write_synthetic_gptq(Path("/tmp/gptq-7b"), 
 EOF
 
 section "benches"
-bench_model gptq-7b /tmp/gptq-7b
-KOBOLD_BACKEND_GEMV_RULE=lean bench_model gptq-7b-lean /tmp/gptq-7b
-bench_model gguf-7b /tmp/q4km-7b.gguf
-bench_model exl2-7b /tmp/exl2-7b
-tail -2 "$OUT/exllamav2_build.log"
-exllamav2_on exl2-7b /tmp/exl2-7b
-exllamav2_on gptq-7b /tmp/gptq-7b
-bench_model gptq-7b-cache-fp16 /tmp/gptq-7b --contexts 16000
-for c in q8 q4; do bench_model "gptq-7b-cache-$c" /tmp/gptq-7b --cache-dtype "$c" --contexts 4000,16000; done
-bench_model gptq-7b-speculative /tmp/gptq-7b --speculative --draft-preset qwen2.5-0.5b ${SPEC_FLAGS:-}
-[ -d /tmp/gptq-7b-act ] && bench_model gptq-7b-act /tmp/gptq-7b-act
-[ -d /tmp/gptq-7b-act ] && KOBOLD_BACKEND_GEMV_RULE=lean bench_model gptq-7b-act-lean /tmp/gptq-7b-act
+want gptq && bench_model gptq-7b /tmp/gptq-7b
+want gptq && KOBOLD_BACKEND_GEMV_RULE=classic bench_model gptq-7b-classic /tmp/gptq-7b
+want gguf && bench_model gguf-7b /tmp/q4km-7b.gguf
+want exl2 && bench_model exl2-7b /tmp/exl2-7b
+want exllamav2 && tail -2 "$OUT/exllamav2_build.log"
+want exllamav2 && exllamav2_on exl2-7b /tmp/exl2-7b
+want exllamav2 && exllamav2_on gptq-7b /tmp/gptq-7b
+want kv && bench_model gptq-7b-cache-fp16 /tmp/gptq-7b --contexts 16000
+want kv && for c in q8 q4; do bench_model "gptq-7b-cache-$c" /tmp/gptq-7b --cache-dtype "$c" --contexts 4000,16000; done
+want spec && bench_model gptq-7b-speculative /tmp/gptq-7b --speculative --draft-preset qwen2.5-0.5b ${SPEC_FLAGS:-}
+want spec && grep -q "Error" "$OUT/gptq-7b-speculative.log" && CUDA_LAUNCH_BLOCKING=1 bench_model gptq-7b-speculative-sync \
+  /tmp/gptq-7b --speculative --draft-preset qwen2.5-0.5b ${SPEC_FLAGS:-}
+want act && bench_model gptq-7b-act /tmp/gptq-7b-act
+want act && KOBOLD_BACKEND_GEMV_RULE=classic bench_model gptq-7b-act-classic /tmp/gptq-7b-act
 section "done"

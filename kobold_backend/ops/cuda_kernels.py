@@ -34,9 +34,9 @@ EXL2_GEMV_MAX_ROWS = 4  # rows the EXL2 GEMV takes (csrc/cuda/exl2.cu); more go 
 # passes; the 512-thread one takes 1 or 2 rows; the lean one, csrc/cuda/gptq_lean.cu, the 256-thread one's shapes,
 # with or without programmatic dependent launch).
 GEMV_AUTO, GEMV_SPLIT_K, GEMV_WHOLE_K, GEMV_WHOLE_K_512, GEMV_WHOLE_K_LEAN, GEMV_WHOLE_K_LEAN_PDL = 0, 1, 2, 3, 4, 5
-GEMV_AUTO_LEAN = 6  # chosen by shape, the lean kernel wherever a whole-K one is chosen
-# The rule GEMV_AUTO follows in this process: KOBOLD_BACKEND_GEMV_RULE=lean benchmarks the lean kernel end to end.
-DEFAULT_GEMV = GEMV_AUTO_LEAN if os.environ.get("KOBOLD_BACKEND_GEMV_RULE") == "lean" else GEMV_AUTO
+GEMV_AUTO_CLASSIC = 6  # chosen by shape with the 256/512-thread whole-K kernels where GEMV_AUTO runs the lean one
+# The rule GEMV_AUTO follows in this process: KOBOLD_BACKEND_GEMV_RULE=classic benchmarks the previous kernels.
+DEFAULT_GEMV = GEMV_AUTO_CLASSIC if os.environ.get("KOBOLD_BACKEND_GEMV_RULE") == "classic" else GEMV_AUTO
 
 # The parameter names of each binding in csrc/cuda/module_cuda.cpp, in order.
 CUDA_SIGNATURES: Dict[str, Tuple[str, ...]] = {
