@@ -46,6 +46,7 @@ GEMV_CASES = [
     (24, 8, 8, True, 1, True),
     (20, 12, 8, False, 2, False),  # K not a multiple of 8
     (64, 128256, 32, False, 1, False),  # many tiles, no split
+    (4096, 4096, 128, False, 5, False),  # speculation's 5-row verification: 46 KB of x + the kernel's own 5 KB
 ]
 
 
@@ -72,6 +73,7 @@ WHOLE_K_CASES = [
     (200, 44, 64, False, 5, False, 0),  # the last batch of 8 packed rows is partial
     (20, 12, 64, False, 2, True, 0),  # K not a multiple of 8: x staged element by element
     (4096, 12288, 128, False, 4, False, 4),  # x rows not 16-byte aligned: element by element too
+    (4096, 4096, 128, False, 5, False, 0),  # dynamic shared memory under 48 KB, with the static arrays over it
 ]
 
 

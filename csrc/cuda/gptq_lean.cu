@@ -290,9 +290,7 @@ void launch_lean(const GemvArgs& a, bool pdl) {
     const int64_t staged = (a.k + 8 * kBatch - 1) / (8 * kBatch) * kBatch;
     const size_t smem = static_cast<size_t>(M) * padded_rows(staged) * sizeof(uint4);
     auto kernel = gemv_lean_kernel<M>;
-    if (smem > 48 * 1024)
-        KB_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem)));
+    allow_dynamic_smem(kernel, smem);
     const unsigned tiles = static_cast<unsigned>((a.n + kTileCols - 1) / kTileCols);
     // x read as 16-byte rows of 8 inputs: no permutation, K % 8 == 0 and every row 16-byte aligned
     const bool vec_x = a.perm == nullptr && a.k % 8 == 0 && a.x_stride % 8 == 0 && aligned(a.x, 16);

@@ -227,9 +227,7 @@ void launch_wide(const GemvArgs& a) {
     const int64_t rows = (a.k + 7) / 8;
     const size_t smem = static_cast<size_t>(M) * padded_rows(rows) * sizeof(uint4);
     auto kernel = gemv_wide_kernel<M, kThreads>;
-    if (smem > 48 * 1024)
-        KB_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem)));
+    allow_dynamic_smem(kernel, smem);
     const unsigned tiles = static_cast<unsigned>((a.n + kTileCols - 1) / kTileCols);
     // x read as 16-byte rows of 8 inputs: no permutation, K % 8 == 0 and every row 16-byte aligned
     const bool vec_x = a.perm == nullptr && a.k % 8 == 0 && a.x_stride % 8 == 0 && aligned(a.x, 16);

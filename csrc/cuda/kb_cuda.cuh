@@ -43,6 +43,18 @@ inline unsigned int blocks_for(int64_t items, int threads, int64_t cap = 65535LL
 
 inline bool aligned(const void* p, std::uintptr_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
 
+// Lets `kernel` launch with `dynamic` bytes of dynamic shared memory: past 48 KB of static + dynamic shared memory a
+// kernel must opt in, and the kernel's own static arrays count towards that limit (a launch with 46 KB dynamic and
+// 5 KB static fails with "invalid argument" otherwise).
+template <typename Kernel>
+inline void allow_dynamic_smem(Kernel kernel, size_t dynamic) {
+    cudaFuncAttributes attr;
+    KB_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    if (dynamic + attr.sharedSizeBytes > 48 * 1024)
+        KB_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(dynamic)));
+}
+
 __device__ __forceinline__ half2 u32_as_half2(uint32_t v) {
     half2 h;
     *reinterpret_cast<uint32_t*>(&h) = v;
