@@ -1,10 +1,11 @@
-"""Speculative decoding on CUDA with decode graphs on: greedy tokens identical to plain (graph) decoding for the
-trained demo model (GPTQ, float16) and an fp32 fixture, with n-gram drafts and the model drafting for itself,
-and seeded sampling reproducible (-m gpu)."""
+"""Speculative decoding on CUDA with decode graphs on: greedy tokens identical to plain (graph) decoding for an
+fp32 fixture and for the trained demo model (GPTQ, float16) up to float16 near-ties, with n-gram drafts and the
+model drafting for itself, and seeded sampling reproducible (-m gpu)."""
 
 from __future__ import annotations
 
-from typing import Any, List
+import math
+from typing import Any, List, Tuple
 
 import pytest
 import torch
@@ -36,33 +37,45 @@ def _generators(lm: Any) -> List[Generator]:
     return out
 
 
-def _check_identical(lm: Any, prompts: List[List[int]]) -> None:
+def _check_identical(lm: Any, prompts: List[List[int]], ulps: int = 0) -> None:
+    """Greedy tokens of n-gram and self-drafting speculation equal plain decoding's. With `ulps` > 0 (float16) a
+    run may part from plain decoding only where plain decoding's two best logits are within `ulps` units in the
+    last place of float16 of each other: the verification forward runs k+1 rows through kernels (cuBLAS, prompt
+    attention) whose rounding differs from the one-row decode step's, so an exact tie can break the other way."""
     plain, ngram, self_draft = _generators(lm)
-    accepted = 0
+    accepted = runs = identical = 0
     for prompt in prompts:
         for length in (1, 9, 80):
             req = dict(prompt_ids=prompt, max_new_tokens=length, settings=GREEDY, ban_eos=True)
             want = plain.generate(GenerationRequest(**req)).token_ids
             for gen in (ngram, self_draft):
                 got = gen.generate(GenerationRequest(**req)).token_ids
-                assert got == want, _divergence(lm, prompt, want, got)
+                runs += 1
                 accepted += gen.stats.speculation.accepted
+                if got == want:
+                    identical += 1
+                    continue
+                at, gap, bound = _divergence(lm, prompt, want, got, ulps)
+                assert gap <= bound, f"token {at} differs ({want[at]} vs {got[at]}) where plain decoding's top-2 " \
+                                     f"logit gap is {gap:.4g}, more than {ulps} float16 ulps ({bound:.4g})"
     assert accepted > 0
+    assert identical >= 0.9 * runs, f"only {identical} of {runs} speculative runs equal plain decoding"
 
 
-def _divergence(lm: Any, prompt: List[int], want: List[int], got: List[int]) -> str:
-    """Where two greedy runs part, and the gap between the two best logits there (a near-tie shows as ~1e-3)."""
+def _divergence(lm: Any, prompt: List[int], want: List[int], got: List[int], ulps: int) -> Tuple[int, float, float]:
+    """Where two greedy runs part, the gap between the two best logits there (one forward over the prompt and
+    plain decoding's tokens before that point), and `ulps` float16 units in the last place at the best logit's
+    size."""
     at = next(i for i, (a, b) in enumerate(zip(want + [-1], got + [-2])) if a != b)
     ids = torch.tensor([prompt + want[:at]], device=lm.model.device)
-    logits = lm.model.forward(ids, lm.model.new_cache())[0, -1]
-    top = torch.topk(logits, 2).values
-    gap = float(top[0] - top[1])
-    return f"token {at} differs ({want[at:at + 1]} vs {got[at:at + 1]}); top-2 logit gap there {gap:.4g}"
+    top = torch.topk(lm.model.forward(ids, lm.model.new_cache())[0, -1].float(), 2).values
+    ulp = float(torch.finfo(torch.float16).eps) * 2.0 ** math.floor(math.log2(max(abs(float(top[0])), 1e-3)))
+    return at, float(top[0] - top[1]), ulps * ulp
 
 
 def test_greedy_identical_on_the_demo_model_with_graphs() -> None:
     lm = load_model(demo.ensure_demo_model(), device="cuda", max_seq_len=512)
-    _check_identical(lm, [lm.tokenizer.encode(t, add_bos=True) for t in TEXTS])
+    _check_identical(lm, [lm.tokenizer.encode(t, add_bos=True) for t in TEXTS], ulps=8)
 
 
 def test_greedy_identical_on_an_fp32_fixture_with_graphs(checkpoints: Any) -> None:

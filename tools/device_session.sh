@@ -34,7 +34,7 @@ want tests && {
 section "GPU tests"
 LOGS=/tmp/kb-gpu-logs; rm -rf "$LOGS"; mkdir -p "$LOGS"
 FIRST="${GPU_FIRST:-}"
-FILES=$( (for f in $FIRST; do echo "$f"; done; grep -l "mark.gpu" tests/test_*.py) | awk '!seen[$0]++')
+FILES=${GPU_FILES:-$( (for f in $FIRST; do echo "$f"; done; grep -l "mark.gpu" tests/test_*.py) | awk '!seen[$0]++')}
 echo "$FILES" | xargs -P "${TEST_WORKERS:-4}" -I{} sh -c \
   'n=$(basename {} .py); s=$(date +%s); timeout '"${PER_FILE_LIMIT:-200}"' python3 -m pytest -q -p no:cacheprovider -m gpu -rfE {} > '"$LOGS"'/$n.log 2>&1; echo "$n rc=$? $(( $(date +%s) - s ))s: $(grep -E "passed|failed|error|no tests ran" '"$LOGS"'/$n.log | tail -1)" >> '"$LOGS"'/summary.txt'
 sort "$LOGS/summary.txt"; cat "$LOGS"/test_*.log > "$OUT/gpu_tests.log"
