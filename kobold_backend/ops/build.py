@@ -41,7 +41,7 @@ def source_dir() -> Path:
 
 def compile_root() -> Tuple[Path, Path]:
     """(the folder every compile runs in, the kernel sources relative to it). Relative source and include paths keep
-    the checkout's location out of the binaries (`__FILE__` in the CUDA error messages, -lineinfo's file names), so
+    the checkout's location out of the binaries (`__FILE__` in the CUDA error messages), so
     a module built from another clone is byte-identical."""
     src = source_dir()
     return src.parent, Path(src.name)
@@ -283,7 +283,7 @@ def build_cpu(out_path: Path, log: Callable[[str], None] = _progress, objects: O
 def nvcc_flags(src: Path, version: str, archs: Sequence[Tuple[str, bool]]) -> List[str]:
     arch_text = " ".join(f"{a}{'+PTX' if p else ''}" for a, p in archs)
     return [
-        "-O3", "-std=c++17", "-lineinfo", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
+        "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
         f"-I{src / 'include'}", f"-I{src / 'cuda'}", f'-DKB_VERSION="{version}"', f'-DKB_CUDA_ARCHS="{arch_text}"',
     ] + gencode_flags(archs)
 
