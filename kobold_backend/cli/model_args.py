@@ -31,8 +31,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int_at_least(2), default=None, metavar="N",
                         help="KV cache size in tokens, at least 2 (default: the model's max_position_embeddings, "
                              "at most 8192)")
-    parser.add_argument("--rope-alpha", type=float_in(0, above=True), default=1.0, help="NTK RoPE alpha (exllama's -a)")
-    parser.add_argument("--compress-pos-emb", type=float_in(0, above=True), default=1.0,
+    parser.add_argument("--rope-alpha", type=float_in(0, above=True), default=1.0, metavar="ALPHA",
+                        help="NTK RoPE alpha (exllama's -a)")
+    parser.add_argument("--compress-pos-emb", type=float_in(0, above=True), default=1.0, metavar="FACTOR",
                         help="linear RoPE compression factor")
     parser.add_argument("--embed-on-cpu", action="store_true", help="keep the embedding table in system RAM")
     parser.add_argument("--cache-dtype", choices=("fp16", "q8", "q4", "k8v4"), default="fp16",
