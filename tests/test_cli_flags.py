@@ -243,3 +243,19 @@ def test_gptq_only_bench_flags_are_refused_for_other_formats(fmt: str, tmp_path:
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert len(errors) == 1 and "--act-order and --group-size" in errors[0] and fmt in errors[0], errors
     assert loads == []
+
+
+def test_the_bench_module_alone_reports_bad_input_in_one_line() -> None:
+    """`python -m kobold_backend.bench` (the bench without the rest of the CLI) answers like `kobold-backend bench`:
+    a bad flag value is one usage line under its own name (exit 2), a refused combination one log line (exit 1),
+    never a traceback."""
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kobold_backend.bench", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+
+    bad = run("--contexts", "0")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert bad.stderr.startswith("python -m kobold_backend.bench: error: argument --contexts: "), bad.stderr
+    refused = run("--preset", "tiny", "--format", "exl2", "--act-order")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].endswith("writes its own layout, so drop them"), refused.stderr

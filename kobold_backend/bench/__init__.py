@@ -8,6 +8,7 @@ same figures for exllamav2 and transformers fp16 in the same process, with ratio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
@@ -17,7 +18,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import torch
 
@@ -161,9 +162,8 @@ def run_bench(args: argparse.Namespace) -> int:
                                  f"{args.format} writes its own layout, so drop them")
     if args.format == "gguf":
         _check_gguf_flags(args)
-    _remove_temporary_files_on_sigterm()
     quick = args.quick or args.preset.startswith("tiny")
-    with tempfile.TemporaryDirectory(prefix="kobold-bench-") as tmp:
+    with _sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="kobold-bench-") as tmp:
         path = args.model
         if path is None and args.format == "exl2":
             from kobold_backend.bench.exl2_checkpoint import write_synthetic_exl2
@@ -215,16 +215,23 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _remove_temporary_files_on_sigterm() -> None:
-    """A terminated bench (`timeout`, a job scheduler) unwinds like Ctrl-C, so the synthetic checkpoint's temporary
-    folder (gigabytes) is removed instead of left behind."""
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """While the bench runs, SIGTERM (`timeout`, a job scheduler) unwinds like Ctrl-C, so the synthetic
+    checkpoint's temporary folder (gigabytes) is removed instead of left behind; the previous handler comes back
+    after."""
     if threading.current_thread() is not threading.main_thread():
+        yield
         return
 
     def stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop)
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _check_gguf_flags(args: argparse.Namespace) -> None:
