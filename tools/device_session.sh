@@ -6,8 +6,8 @@
 # Carry .whl (gguf, flask, waitress, exllamav2 wheels). Logs and JSON go to $OUT; a summary is printed last.
 # Sections are skipped once the call's time is spent (LIMIT, seconds; default 560); SECTIONS (words: tests gemv
 # gptq gguf exl2 exllamav2 kv spec act) runs only those. Optional sections, run only when named in SECTIONS:
-#   exl2logits  exllamav2's causal logits for tests/data/exl2 (tools/exl2_reference_logits.py; the file comes back
-#               as $OUT/reference-logits-causal.safetensors, to be committed under tests/data/exl2/)
+#   exl2logits  exllamav2's causal logits for tests/data/exl2 (tools/exl2_reference_logits.py; results.tgz holds
+#               reference-logits-causal.safetensors, to be committed under tests/data/exl2/)
 #   ggml        GGML block-kernel timings (tools/ggml_timing.py)
 #   kvtiming    decode attention and decode steps per cache dtype (tools/kv_quant_timing.py)
 #   ext         the doctor report and the kernel timing table (tools/ext_timing.py)
