@@ -82,10 +82,30 @@ def bad_flag_cases(tmp: Path) -> List[Any]:
         (["generate", "--max-new-tokens", "5"], "--prompt", "required"),
         (["bench", "--group-size", "0"], "--group-size", "at least 1"),
         (["generate", "--prompt", "x", "--dtype", "half"], "--dtype", "not one of float16, bfloat16, float32"),
+        # this wave's flags: KV cache storage, speculative decoding, the bench's format, contexts and perplexity
+        (["serve", "--cache-dtype", "q3"], "--cache-dtype", "invalid choice: 'q3'"),
+        (["generate", "--prompt", "x", "--cache-dtype", "int4"], "--cache-dtype", "invalid choice: 'int4'"),
+        (["serve", "--speculative", "yes"], "--speculative", "invalid choice: 'yes'"),
+        (["serve", "--speculative", "draft"], "--speculative", "draft needs --draft-model"),
+        (["generate", "--prompt", "x", "--speculative", "draft"], "--speculative", "draft needs --draft-model"),
+        (["serve", "--draft-model", absent], "--draft-model", "does not exist"),
+        (["generate", "--prompt", "x", "--speculative", "ngram", "--draft-model", str(tmp)], "--draft-model",
+         "goes with --speculative draft, not ngram"),
+        (["serve", "--draft-tokens", "0"], "--draft-tokens", "between 1 and 16"),
+        (["generate", "--prompt", "x", "--draft-tokens", "17"], "--draft-tokens", "between 1 and 16"),
+        (["generate", "--prompt", "x", "--draft-tokens", "3"], "--draft-tokens", "needs --speculative ngram"),
+        (["bench", "--format", "ggml"], "--format", "invalid choice: 'ggml'"),
+        (["bench", "--contexts", "1"], "--contexts", "at least 2 tokens"),
+        (["bench", "--contexts", "4000,lots"], "--contexts", "use token counts"),
+        (["bench", "--contexts", "99999999"], "--contexts", "at most 1048576 tokens"),
+        (["bench", "--cache-dtype", "q8,q5"], "--cache-dtype", "use one or more of fp16, q8, q4, k8v4"),
+        (["bench", "--perplexity", absent], "--perplexity", "does not exist"),
+        (["bench", "--draft-tokens", "0"], "--draft-tokens", "between 1 and 16"),
+        (["bench", "--draft-preset", "huge"], "--draft-preset", "invalid choice: 'huge'"),
     ]
 
 
-@pytest.mark.parametrize("case", range(31))
+@pytest.mark.parametrize("case", range(49))
 def test_bad_flag_is_one_line_exit_2_before_any_load(case: int, tmp_path: Path, loads: List[Any],
                                                      capsys: pytest.CaptureFixture) -> None:
     cases = bad_flag_cases(tmp_path)
@@ -101,7 +121,7 @@ def test_bad_flag_is_one_line_exit_2_before_any_load(case: int, tmp_path: Path, 
 
 
 def test_the_parametrization_covers_every_case(tmp_path: Path) -> None:
-    assert len(bad_flag_cases(tmp_path)) == 31
+    assert len(bad_flag_cases(tmp_path)) == 49
 
 
 def test_bad_chat_template_is_a_usage_error_before_any_load(tmp_path: Path, loads: List[Any],
@@ -209,3 +229,33 @@ def test_load_log_line_shows_no_function_repr(tmp_path: Path, caplog: pytest.Log
         holder.load(tmp_path, progress=stderr_progress("loading"))
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("loading "))
     assert line == f"loading {tmp_path.resolve()} (device=cpu, max_seq_len=8)"
+
+
+@pytest.mark.parametrize("fmt", ["exl2", "gguf"])
+def test_gptq_only_bench_flags_are_refused_for_other_formats(fmt: str, tmp_path: Path, loads: List[Any],
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """--act-order / --group-size shape only the synthetic GPTQ checkpoint: with another --format they are refused in
+    one sentence before anything is written (they used to be ignored)."""
+    for extra in (["--act-order"], ["--group-size", "32"]):
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="kobold_backend"):
+            assert cli.main(["bench", "--preset", "tiny", "--format", fmt, *extra]) == 1
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and "--act-order and --group-size" in errors[0] and fmt in errors[0], errors
+    assert loads == []
+
+
+def test_the_bench_module_alone_reports_bad_input_in_one_line() -> None:
+    """`python -m kobold_backend.bench` (the bench without the rest of the CLI) answers like `kobold-backend bench`:
+    a bad flag value is one usage line under its own name (exit 2), a refused combination one log line (exit 1),
+    never a traceback."""
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kobold_backend.bench", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+
+    bad = run("--contexts", "0")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert bad.stderr.startswith("python -m kobold_backend.bench: error: argument --contexts: "), bad.stderr
+    refused = run("--preset", "tiny", "--format", "exl2", "--act-order")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].endswith("writes its own layout, so drop them"), refused.stderr

@@ -18,6 +18,7 @@ import transformers
 from kobold_backend.engine.gguf.file import GGUFFile
 from kobold_backend.engine.gguf.tokenizer_files import tokenizer_files
 from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
+from tests.fixtures.gguf_files import sentencepiece_token_type
 from tests.fixtures.tokenizer_families import write_gemma, write_llama2, write_qwen2
 
 TEXTS = ["Hello world", "  two leading spaces", "digits 1234567 and emoji 🙂", "Ünïcödé — 日本語のテキスト",
@@ -27,18 +28,7 @@ TEXTS = ["Hello world", "  two leading spaces", "digits 1234567 and emoji 🙂",
 def _spm_vocab(writer: gguf.GGUFWriter, folder: Path, add_space_prefix: bool) -> None:
     """_set_vocab_sentencepiece: every piece with its score and type, then the special ids of tokenizer_config."""
     sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
-    types = []
-    for i in range(sp.get_piece_size()):
-        kind = gguf.TokenType.NORMAL
-        if sp.is_unknown(i):
-            kind = gguf.TokenType.UNKNOWN
-        elif sp.is_control(i):
-            kind = gguf.TokenType.CONTROL
-        elif sp.is_unused(i):
-            kind = gguf.TokenType.UNUSED
-        elif sp.is_byte(i):
-            kind = gguf.TokenType.BYTE
-        types.append(kind)
+    types = [sentencepiece_token_type(sp, i) for i in range(sp.get_piece_size())]
     config = json.loads((folder / "tokenizer_config.json").read_text())
     for tid, entry in config.get("added_tokens_decoder", {}).items():
         if int(tid) < len(types) and entry.get("special"):

@@ -1,8 +1,9 @@
 """The quantized KV cache's CUDA kernels (csrc/cuda/kv_quant.cu) against the torch definitions of
 ops/kv_quant.py, and the model on a quantized cache with and without CUDA graphs.
 
-Run on a GPU machine after building the module: `pytest -m gpu tests/test_kv_quant_gpu.py` (tools/device_kv_quant.sh
-builds, runs this file and times the caches). Skipped where torch sees no CUDA device.
+Run on a GPU machine after building the module: `pytest -m gpu tests/test_kv_quant_gpu.py`
+(`SECTIONS="tests kvtiming" GPU_FILES=tests/test_kv_quant_gpu.py bash tools/device_session.sh` builds, runs this
+file and times the caches). Skipped where torch sees no CUDA device.
 """
 
 from __future__ import annotations

@@ -210,6 +210,18 @@ def test_adapter_names_stay_inside_the_lora_folder(lm, lora_dir, tmp_path) -> No
             build_passthrough({"lora": {"name": name}}, lm.model, config)
 
 
+def _assert_one_adapter_matches_peft(model: LoadedModel, ids: torch.Tensor, lora_dir: Path, name: str,
+                                     oracle: Path) -> None:
+    """Adapter `name` of `lora_dir` through the passthrough changes the logits and matches peft merged into the
+    dense checkpoint `oracle`."""
+    pt = build_passthrough({"lora": [{"name": name}]}, model.model, PassthroughConfig(lora_dir=lora_dir))
+    ours = ours_logits(model, ids, pt)
+    with torch.no_grad():
+        ref = peft_merged(oracle, {name: lora_dir / name})(ids).logits
+    assert row_rel_err(ours, ours_logits(model, ids, None)) > 1e-2
+    assert row_rel_err(ours, ref) < RTOL
+
+
 def test_adapter_on_fused_phi3_projections_matches_peft(tmp_path: Path) -> None:
     """Phi-3 checkpoints store qkv_proj and gate_up_proj fused, so PEFT adapters target those modules; their B rows
     split into the q/k/v (gate/up) deltas the engine applies to the fused weight's parts."""
@@ -221,12 +233,7 @@ def test_adapter_on_fused_phi3_projections_matches_peft(tmp_path: Path) -> None:
     model = load_model(phi3.path, device="cpu")
     assert model.model.layers[0].qkv_proj is not None and model.model.layers[0].gate_up_proj is not None
     ids = torch.tensor([[1, 17, 230, 44, 5, 912, 77, 3, 64, 150]])
-    pt = build_passthrough({"lora": [{"name": "fused"}]}, model.model, PassthroughConfig(lora_dir=tmp_path / "lora"))
-    ours = ours_logits(model, ids, pt)
-    with torch.no_grad():
-        ref = peft_merged(phi3.path, {"fused": tmp_path / "lora" / "fused"})(ids).logits
-    assert row_rel_err(ours, ours_logits(model, ids, None)) > 1e-2
-    assert row_rel_err(ours, ref) < RTOL
+    _assert_one_adapter_matches_peft(model, ids, tmp_path / "lora", "fused", phi3.path)
 
 
 def test_adapter_on_act_order_gptq_matches_peft(checkpoints: CheckpointFactory, tmp_path: Path) -> None:
@@ -238,9 +245,4 @@ def test_adapter_on_act_order_gptq_matches_peft(checkpoints: CheckpointFactory, 
     model = load_model(built.path, device="cpu")
     assert all(layer.mlp_perm is not None for layer in model.model.layers)
     ids = prompt_ids(built, 20, seed=2)
-    pt = build_passthrough({"lora": [{"name": "mlp"}]}, model.model, PassthroughConfig(lora_dir=tmp_path / "lora"))
-    ours = ours_logits(model, ids, pt)
-    with torch.no_grad():
-        ref = peft_merged(built.oracle_path, {"mlp": tmp_path / "lora" / "mlp"})(ids).logits
-    assert row_rel_err(ours, ours_logits(model, ids, None)) > 1e-2
-    assert row_rel_err(ours, ref) < RTOL
+    _assert_one_adapter_matches_peft(model, ids, tmp_path / "lora", "mlp", built.oracle_path)

@@ -361,7 +361,7 @@ def test_cli_flags_make_load_keywords() -> None:
     assert speculation_kwargs(ns()) == {}
     assert speculation_kwargs(ns(draft_model="d")) == {"speculative": "draft", "draft_model": "d"}
     assert speculation_kwargs(ns(speculative="ngram", draft_tokens=7)) == {"speculative": "ngram", "draft_tokens": 7}
-    with pytest.raises(RequestError, match="--draft-model goes with --speculative draft"):
+    with pytest.raises(RequestError, match="goes with --speculative draft, not ngram"):
         speculation_kwargs(ns(speculative="ngram", draft_model="d"))
 
 

@@ -5,8 +5,18 @@
 # EXL2 4.0 bpw (GPTQ and EXL2 beside exllamav2 on the same folders), quantized KV caches and speculation.
 # Carry .whl (gguf, flask, waitress, exllamav2 wheels). Logs and JSON go to $OUT; a summary is printed last.
 # Sections are skipped once the call's time is spent (LIMIT, seconds; default 560); SECTIONS (words: tests gemv
-# gptq gguf exl2 exllamav2 kv spec act) runs only those. Everything ends up in $OUT/results.tgz (the device tool
-# brings back a few files only).
+# gptq gguf exl2 exllamav2 kv spec act) runs only those. Optional sections, run only when named in SECTIONS:
+#   exl2logits  exllamav2's causal logits for tests/data/exl2 (tools/exl2_reference_logits.py; results.tgz holds
+#               reference-logits-causal.safetensors, to be committed under tests/data/exl2/)
+#   ggml        GGML block-kernel timings (tools/ggml_timing.py)
+#   kvtiming    decode attention and decode steps per cache dtype (tools/kv_quant_timing.py)
+#   ext         the doctor report and the kernel timing table (tools/ext_timing.py)
+#   compare     `bench --preset llama2-7b --compare` (this engine beside exllamav2 and transformers)
+#   base        with BASE=DIR (a checkout of the commit before the change): the 7B GPTQ bench from that tree on
+#               the same folder, for a before/after pair
+# GPU_FILES (test files) narrows the tests section, e.g. one branch's:
+#   SECTIONS="tests kvtiming" GPU_FILES=tests/test_kv_quant_gpu.py bash tools/device_session.sh
+# Everything ends up in $OUT/results.tgz (the device tool brings back a few files only).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kb-device}; mkdir -p "$OUT"
@@ -19,13 +29,18 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u
 python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__)"
 left() { echo $((LIMIT - SECONDS)); }
 want() { [ -z "${SECTIONS:-}" ] || [[ " $SECTIONS " == *" $1 "* ]]; }
+named() { [[ " ${SECTIONS:-} " == *" $1 "* ]]; }  # optional sections: only when named
+want_any() { local w; for w in "$@"; do want "$w" && return 0; done; return 1; }
 finish() { (cd "$OUT" && tar czf /tmp/results.tgz --exclude=results.tgz . && rm -rf ./* && mv /tmp/results.tgz .); }
 trap finish EXIT
 section() { echo "== $1 at ${SECONDS} s"; }
 
 section "exllamav2 JIT build (background)"
-want exllamav2 && { (python3 -c "import exllamav2.ext" > "$OUT/exllamav2_build.log" 2>&1
-  echo "rc=$?" >> "$OUT/exllamav2_build.log") & }
+(want exllamav2 || named exl2logits) && { (python3 -c "import exllamav2.ext" > "$OUT/exllamav2_build.log" 2>&1
+  echo "rc=$?" >> "$OUT/exllamav2_build.log"
+  named exl2logits && { timeout 200 python3 tools/exl2_reference_logits.py "$OUT/reference-logits-causal.safetensors" \
+    > "$OUT/exl2_logits.log" 2>&1; echo "exl2 reference logits rc=$?" >> "$OUT/exl2_logits.log"; }) &
+  exllamav2_job=$!; }
 
 section "build (sm_90)"
 python3 -m kobold_backend.ops.build --cpu --cuda > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
@@ -65,8 +80,19 @@ print("exllamav2", json.dumps({k: r.get(k) for k in ("decode_tokens_per_s", "pro
 EOF
 }
 
-section "write 7B checkpoints"
-python3 - <<'EOF' > "$OUT/write.log" 2>&1; tail -3 "$OUT/write.log"
+named ext && { section "doctor and kernel timings"
+python3 -c "from kobold_backend.doctor import doctor_report; print(doctor_report())" 2>&1 | tail -12
+timeout 60 python3 tools/ext_timing.py > "$OUT/ext_timing.txt" 2>&1; tail -20 "$OUT/ext_timing.txt"; }
+
+named ggml && { section "GGML kernel timings"
+timeout 60 python3 tools/ggml_timing.py > "$OUT/ggml_timing.txt" 2>&1; tail -30 "$OUT/ggml_timing.txt"; }
+
+named kvtiming && { section "quantized KV cache timings"
+timeout 60 python3 tools/kv_quant_timing.py --layers 2 --steps 16 > "$OUT/kv_timing.txt" 2>&1
+grep -v -i warn "$OUT/kv_timing.txt" | tail -14; }
+
+want_any gptq gguf exl2 exllamav2 kv spec act base && { section "write 7B checkpoints"
+python3 - <<'EOF' > "$OUT/write.log" 2>&1; tail -3 "$OUT/write.log"; }
 import time
 from pathlib import Path
 from kobold_backend.bench.checkpoint import PRESETS, write_synthetic_gptq
@@ -95,4 +121,13 @@ want spec && grep -q "Error" "$OUT/gptq-7b-speculative.log" && CUDA_LAUNCH_BLOCK
   /tmp/gptq-7b --speculative --draft-preset qwen2.5-0.5b ${SPEC_FLAGS:-}
 want act && bench_model gptq-7b-act /tmp/gptq-7b-act
 want act && KOBOLD_BACKEND_GEMV_RULE=classic bench_model gptq-7b-act-classic /tmp/gptq-7b-act
+named base && [ -n "${BASE:-}" ] && { section "the 7B GPTQ bench from BASE=$BASE"
+  (cd "$BASE" && PYTHONPATH="$BASE:/tmp/site" python3 -m kobold_backend.ops.build --cuda > "$OUT/build-base.log" 2>&1 \
+    && PYTHONPATH="$BASE:/tmp/site" timeout $(( $(left) < 120 ? $(left) : 120 )) python3 -m kobold_backend.bench \
+      --model /tmp/gptq-7b --json "$OUT/gptq-7b-base.json" > "$OUT/gptq-7b-base.log" 2>&1)
+  echo "base rc=$?"; tail -4 "$OUT/gptq-7b-base.log" 2>/dev/null || tail -5 "$OUT/build-base.log"; }
+named compare && [ "$(left)" -gt 120 ] && { section "bench --compare (exllamav2, transformers)"
+  timeout $(( $(left) - 20 )) python3 -m kobold_backend.bench --preset llama2-7b --compare --json "$OUT/compare.json" \
+    2>&1 | grep -v -i warn | tail -12; }
+named exl2logits && { wait "${exllamav2_job:-}" 2>/dev/null; tail -3 "$OUT/exl2_logits.log"; }
 section "done"

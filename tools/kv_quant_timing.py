@@ -4,7 +4,7 @@ over fp16, q8 and q4 caches, and greedy decode steps (CUDA graphs) of a Llama-2-
 `kobold-backend bench --cache-dtype q8 --contexts 4000,16000` (docs/performance.md).
 
 Run on a GPU machine from the repository root after building the kernels: `PYTHONPATH=. python
-tools/kv_quant_timing.py` (tools/device_kv_quant.sh does).
+tools/kv_quant_timing.py` (the `kvtiming` section of tools/device_session.sh does).
 """
 
 from __future__ import annotations

@@ -8,14 +8,17 @@ same figures for exllamav2 and transformers fp16 in the same process, with ratio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
 import platform
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import torch
 
@@ -24,6 +27,7 @@ from kobold_backend.bench.checkpoint import PRESETS, write_synthetic_gptq
 from kobold_backend.errors import KoboldBackendError
 
 log = logging.getLogger(__name__)
+MAX_BENCH_CONTEXT = 1 << 20  # 2^20 tokens: a 7B's fp16 cache alone would be 512 GiB
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -35,7 +39,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                                    "transformers; docs/performance.md explains the figures.")
     p.add_argument("--model", type=existing_path, metavar="DIR",
                    help="checkpoint folder (default: build a synthetic GPTQ one of --preset's shape)")
-    p.add_argument("--preset", default="llama2-7b", choices=sorted(PRESETS), help="shape of the synthetic checkpoint")
+    p.add_argument("--preset", default="llama2-7b", choices=sorted(PRESETS), metavar="NAME",
+                   help="shape of the synthetic checkpoint: " + ", ".join(sorted(PRESETS)))
     p.add_argument("--act-order", action="store_true", help="synthetic checkpoint with act-order g_idx")
     p.add_argument("--format", choices=("gptq", "exl2", "gguf"), default="gptq",
                    help="format of the synthetic checkpoint: GPTQ 4-bit, EXL2 at 4.0 bpw (exllamav2's mixed widths) "
@@ -49,7 +54,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--speculative", action="store_true",
                    help="also time speculative decoding: n-gram drafts, the target drafting for itself and, with "
                         "--draft-preset or --draft-model, a draft model, on repetitive and random text")
-    p.add_argument("--draft-preset", default=None, choices=sorted(PRESETS),
+    p.add_argument("--draft-preset", default=None, choices=sorted(PRESETS), metavar="NAME",
                    help="shape of a synthetic draft checkpoint for --speculative (e.g. qwen2.5-0.5b for qwen2.5-7b)")
     p.add_argument("--draft-model", type=existing_path, default=None, metavar="DIR",
                    help="a real draft checkpoint for --speculative (instead of --draft-preset)")
@@ -78,13 +83,16 @@ def cache_dtype_list(text: str) -> List[str]:
 
 
 def context_list(text: str) -> List[int]:
-    """--contexts: positive token counts, comma-separated."""
+    """--contexts: token counts from 2 to MAX_BENCH_CONTEXT, comma-separated (checked before a checkpoint is
+    written)."""
     try:
         values = [int(t) for t in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: use token counts such as 4000,16000") from None
     if not values or min(values) < 2:
         raise argparse.ArgumentTypeError(f"{text!r}: every context must be at least 2 tokens")
+    if max(values) > MAX_BENCH_CONTEXT:
+        raise argparse.ArgumentTypeError(f"{text!r}: every context must be at most {MAX_BENCH_CONTEXT} tokens")
     return values
 
 
@@ -149,10 +157,13 @@ def run_bench(args: argparse.Namespace) -> int:
     if len(args.cache_dtype) != 1:
         log.error("--cache-dtype takes one value when timing (a list only with --perplexity)")
         return 2
+    if args.format != "gptq" and (args.act_order or args.group_size != 128):
+        raise KoboldBackendError(f"--act-order and --group-size shape the synthetic GPTQ checkpoint; --format "
+                                 f"{args.format} writes its own layout, so drop them")
     if args.format == "gguf":
         _check_gguf_flags(args)
     quick = args.quick or args.preset.startswith("tiny")
-    with tempfile.TemporaryDirectory(prefix="kobold-bench-") as tmp:
+    with _sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="kobold-bench-") as tmp:
         path = args.model
         if path is None and args.format == "exl2":
             from kobold_backend.bench.exl2_checkpoint import write_synthetic_exl2
@@ -202,6 +213,25 @@ def run_bench(args: argparse.Namespace) -> int:
         Path(args.json).write_text(text + "\n")
     sys.stderr.write(format_table(result) + "\n")
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """While the bench runs, SIGTERM (`timeout`, a job scheduler) unwinds like Ctrl-C, so the synthetic
+    checkpoint's temporary folder (gigabytes) is removed instead of left behind; the previous handler comes back
+    after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _check_gguf_flags(args: argparse.Namespace) -> None:

@@ -108,6 +108,23 @@ def synthetic_config(shape: Shape, max_position_embeddings: int = 8192) -> Dict[
     return config
 
 
+def save_shard(folder: Path, number: int, shards: int, tensors: Dict[str, torch.Tensor],
+               weight_map: Dict[str, str]) -> int:
+    """Write shard `number` (0-based) of `shards` as model-0000N-of-0000M.safetensors, name its tensors in
+    `weight_map`; returns its tensor bytes (for the index's total_size)."""
+    file = f"model-{number + 1:05d}-of-{shards:05d}.safetensors"
+    save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(folder / file), metadata={"format": "pt"})
+    weight_map.update({k: file for k in tensors})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def write_index(folder: Path, total: int, weight_map: Dict[str, str], config: Dict[str, Any]) -> None:
+    """model.safetensors.index.json (total_size and weight_map) and config.json of a sharded synthetic folder."""
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+
+
 def write_synthetic_gptq(
     folder: Path, shape: Shape, group_size: int = 128, act_order: bool = False, seed: int = 0,
     device: Optional[str] = None, max_position_embeddings: int = 8192,
@@ -154,12 +171,7 @@ def write_synthetic_gptq(
                 tensors[name] = torch.full(dims, unit, dtype=torch.float16)
             elif name.endswith((".weight", ".bias")):
                 tensors[name] = (torch.randn(dims, generator=gen, device=dev) * 0.02).half()
-        file = f"model-{number + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(folder / file), metadata={"format": "pt"})
-        weight_map.update({k: file for k in tensors})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
+        total += save_shard(folder, number, shards, tensors, weight_map)
+    write_index(folder, total, weight_map, config)
     (folder / "quantize_config.json").write_text(json.dumps(quant, indent=1))
     return folder

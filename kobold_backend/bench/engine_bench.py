@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 import torch
 
@@ -26,7 +26,8 @@ def _decode(model: Any, cache: Any, graph: Any, first: int, steps: int) -> List[
     return out
 
 
-def bench_engine(path: str, device: str = "auto", prompt_lengths=(512, 2048), contexts=(128, 4000),
+def bench_engine(path: str, device: str = "auto", prompt_lengths: Sequence[int] = (512, 2048),
+                 contexts: Sequence[int] = (128, 4000),
                  decode_steps: int = 128, chat_context: int = 3500, chat_new: int = 50,
                  use_graphs: bool = True, max_seq_len: int = 4608, cache_dtype: str = "fp16") -> Dict[str, Any]:
     lm = load_model(path, device=device, max_seq_len=max_seq_len, with_tokenizer=False, cache_dtype=cache_dtype)

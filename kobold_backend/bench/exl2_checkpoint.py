@@ -9,14 +9,12 @@ widest first, as exllamav2's kernels require. Written one shard per layer, like 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-from safetensors.torch import save_file
 
-from kobold_backend.bench.checkpoint import Shape, synthetic_config
+from kobold_backend.bench.checkpoint import Shape, save_shard, synthetic_config, write_index
 
 # (width, share of the rows, group size) per kind of linear, widest first; keyed by target bpw
 MIXES: Dict[float, Dict[str, Sequence[Tuple[int, float, int]]]] = {
@@ -94,11 +92,6 @@ def write_synthetic_exl2(folder: Path, shape: Shape, bpw: float = 4.0, seed: int
                     tensors[f"{prefix}.{suffix}"] = t
             else:
                 tensors[name] = (torch.randn(dims, generator=gen, device=dev) * 0.02).half()
-        file = f"model-{number + 1:05d}-of-{len(groups):05d}.safetensors"
-        save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(folder / file), metadata={"format": "pt"})
-        weight_map.update({k: file for k in tensors})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
+        total += save_shard(folder, number, len(groups), tensors, weight_map)
+    write_index(folder, total, weight_map, config)
     return folder

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from typing import TYPE_CHECKING, Any, Dict
 
 from kobold_backend.cli.split import add_split_arguments, split_from_args
@@ -30,8 +31,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int_at_least(2), default=None, metavar="N",
                         help="KV cache size in tokens, at least 2 (default: the model's max_position_embeddings, "
                              "at most 8192)")
-    parser.add_argument("--rope-alpha", type=float_in(0, above=True), default=1.0, help="NTK RoPE alpha (exllama's -a)")
-    parser.add_argument("--compress-pos-emb", type=float_in(0, above=True), default=1.0,
+    parser.add_argument("--rope-alpha", type=float_in(0, above=True), default=1.0, metavar="ALPHA",
+                        help="NTK RoPE alpha (exllama's -a)")
+    parser.add_argument("--compress-pos-emb", type=float_in(0, above=True), default=1.0, metavar="FACTOR",
                         help="linear RoPE compression factor")
     parser.add_argument("--embed-on-cpu", action="store_true", help="keep the embedding table in system RAM")
     parser.add_argument("--cache-dtype", choices=("fp16", "q8", "q4", "k8v4"), default="fp16",
@@ -52,6 +54,7 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
     """Load --model (or build the demo model) with progress on stderr."""
     from kobold_backend.engine.loader import load_model
 
+    speculation = checked_speculation_kwargs(args)
     path = args.model
     if path is None:
         from kobold_backend.demo import ensure_demo_model
@@ -70,15 +73,20 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
         compress_pos_emb=args.compress_pos_emb,
         cache_dtype=args.cache_dtype,
         progress=stderr_progress("loading"),
-        **speculation_kwargs(args),
+        **speculation,
     )
 
 
 def speculation_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
-    """load_model's speculative-decoding keywords from the flags (none when the flags are not given)."""
+    """load_model's speculative-decoding keywords from the flags (none when the flags are not given); RequestError
+    (its `field` the flag's dest) for a combination that cannot work."""
     kwargs: Dict[str, Any] = {}
     if args.draft_model is not None and args.speculative not in (None, "draft"):
-        raise RequestError(f"--draft-model goes with --speculative draft, not {args.speculative}", "draft_model")
+        raise RequestError(f"goes with --speculative draft, not {args.speculative}", "draft_model")
+    if args.speculative == "draft" and args.draft_model is None:
+        raise RequestError("draft needs --draft-model DIR (a small model with the same tokenizer)", "speculative")
+    if args.draft_tokens is not None and args.speculative in (None, "off") and args.draft_model is None:
+        raise RequestError("needs --speculative ngram or --draft-model (speculative decoding is off)", "draft_tokens")
     if args.speculative is not None:
         kwargs["speculative"] = args.speculative
     if args.draft_model is not None:
@@ -87,3 +95,14 @@ def speculation_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     if args.draft_tokens is not None:
         kwargs["draft_tokens"] = args.draft_tokens
     return kwargs
+
+
+def checked_speculation_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    """speculation_kwargs, a bad combination reported like a bad flag value before anything loads: one line
+    `kobold-backend COMMAND: error: argument --flag: ...` on stderr, exit 2."""
+    try:
+        return speculation_kwargs(args)
+    except RequestError as e:
+        flag = "--" + e.field.replace("_", "-")
+        sys.stderr.write(f"kobold-backend {getattr(args, 'command', '')}: error: argument {flag}: {e}\n")
+        raise SystemExit(2) from None
