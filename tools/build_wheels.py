@@ -28,11 +28,11 @@ sys.path.insert(0, str(ROOT))
 from kobold_backend import wheels  # noqa: E402 (the repository root is put on sys.path first)
 
 DEFAULT_PYTHONS = ("3.8", "3.9", "3.10", "3.11", "3.12", "3.13")
-# GPU code per toolkit major (docs/wheels.md, "Committed wheels"): SASS for every arch the toolkit still compiles
-# that an x86_64 machine has (Turing T4/RTX 20xx ... Blackwell B200/RTX 50xx), PTX of the newest for later GPUs.
+# GPU code per toolkit major (docs/wheels.md, "Committed wheels"): SASS for the lowest arch of every major an x86_64
+# machine has (sm_80 code runs on sm_86/89: same major, higher minor), so Turing T4/RTX 20xx ... Blackwell B200/RTX
+# 50xx run compiled code, and PTX of the newest for later GPUs; fewer archs keep the committed wheels small.
 # No "90a": no kernel uses Hopper-only instructions (wgmma, TMA, setmaxnreg), so sm_90 SASS is the same code.
-ARCHS_BY_TOOLKIT = {11: "7.5 8.0 8.6 8.9 9.0+PTX", 12: "7.5 8.0 8.6 8.9 9.0+PTX",
-                    13: "7.5 8.0 8.6 8.9 9.0 10.0 12.0+PTX"}
+ARCHS_BY_TOOLKIT = {11: "7.5 8.0 9.0+PTX", 12: "7.5 8.0 9.0+PTX", 13: "7.5 8.0 9.0 10.0 12.0+PTX"}
 ZIP_EPOCH_MIN = 315532800  # 1980-01-01, the earliest time a zip entry can hold
 PYBIND11_PIN = "3.0.4"  # the last pybind11 line that supports Python 3.8; every committed wheel uses it
 

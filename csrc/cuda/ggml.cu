@@ -1,4 +1,4 @@
-// CUDA kernels on GGML block formats as GGUF files store them (csrc/include/ggml_blocks.h): a GEMV for 1..8 fp16
+// CUDA kernels on GGML block formats as GGUF files store them (csrc/include/ggml_blocks.h): a GEMV for 1..4 fp16
 // rows (one warp per output feature, each lane decoding eight consecutive weights per step, fp32 accumulation) and
 // a dequantization to fp16 for prompts (then one cuBLAS GEMM from torch).
 #include "ggml_blocks.h"
@@ -104,11 +104,7 @@ struct GemvLaunch {
             case 1: launch<T, 1>(); break;
             case 2: launch<T, 2>(); break;
             case 3: launch<T, 3>(); break;
-            case 4: launch<T, 4>(); break;
-            case 5: launch<T, 5>(); break;
-            case 6: launch<T, 6>(); break;
-            case 7: launch<T, 7>(); break;
-            default: launch<T, 8>(); break;
+            default: launch<T, 4>(); break;
         }
     }
 };
@@ -140,7 +136,7 @@ void check_block_args(int type, const void* w, int64_t row_bytes, int64_t n, int
 }  // namespace
 
 void ggml_gemv(const GgmlGemvArgs& a) {
-    require(a.m >= 1 && a.m <= 8, "ggml_gemv: rows must be 1..8");
+    require(a.m >= 1 && a.m <= 4, "ggml_gemv: rows must be 1..4");
     check_block_args(a.type, a.w, a.row_bytes, a.n, a.k, "ggml_gemv");
     require(aligned(a.x, 16) && a.x_stride % 8 == 0 && a.x_stride >= a.k,
             "ggml_gemv: x rows must be 16-byte aligned");

@@ -152,7 +152,7 @@ struct GgmlGemvArgs {
     std::uintptr_t stream;
 };
 
-void ggml_gemv(const GgmlGemvArgs& a);  // M in 1..8, K a multiple of the block
+void ggml_gemv(const GgmlGemvArgs& a);  // M in 1..4, K a multiple of the block
 
 // out fp16 [N, K] = dequant(w)
 void ggml_dequantize(int type, const void* w, int64_t row_bytes, int64_t n, int64_t k, void* out, int device,

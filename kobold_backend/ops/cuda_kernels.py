@@ -29,6 +29,7 @@ CUDA_CODES: Dict[torch.dtype, int] = {torch.float16: 1}
 WS_FLOATS = 1 << 22
 WS_COUNTERS = 1 << 16
 EXL2_GEMV_MAX_ROWS = 4  # rows the EXL2 GEMV takes (csrc/cuda/exl2.cu); more go through dequantize + matmul
+GGML_GEMV_MAX_ROWS = 4  # rows the GGML GEMV takes on CUDA (csrc/cuda/ggml.cu: fewer instances, smaller wheels)
 
 # gptq_gemv's `variant`: chosen by shape, or one kernel forced (the whole-K ones only where their shape check
 # passes; the 512-thread one takes 1 or 2 rows; the lean one, csrc/cuda/gptq_lean.cu, the 256-thread one's shapes,
@@ -352,13 +353,13 @@ class CudaKernels:
         return y
 
     def ggml_matmul(self, x: torch.Tensor, w: ggml.GGMLWeight) -> torch.Tensor:
-        """fp16 x [M, K] @ w.T (+ bias): the GEMV for 1..8 rows, else kernel dequantization + one cuBLAS GEMM."""
+        """fp16 x [M, K] @ w.T (+ bias): the GEMV for 1..4 rows, else kernel dequantization + one cuBLAS GEMM."""
         if (not hasattr(self.module, "ggml_gemv") or x.dtype != torch.float16 or x.dim() != 2
                 or x.shape[1] != w.in_features or not ggml.kernel_layout_ok(w, x.device)
                 or (w.bias is not None and w.bias.dtype != torch.float16)):
             return ggml.ggml_matmul(x, w)
         m = x.shape[0]
-        if not 1 <= m <= GEMV_MAX_ROWS:
+        if not 1 <= m <= GGML_GEMV_MAX_ROWS:
             y = x @ self.ggml_dequantize(w).t()
             return y if w.bias is None else y + w.bias
         x2 = x if x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else x.contiguous()
