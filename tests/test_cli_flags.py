@@ -5,6 +5,7 @@ subcommand has a description and every option a help text that states its defaul
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import socket
 import subprocess
@@ -32,7 +33,14 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> Iterator[List[Any]]:
         calls.append(args)
         raise AssertionError("a model load started")
 
-    monkeypatch.setattr(kobold_backend.engine.loader, "load_model", record)
+    # Modules that bound `load_model` at import hold their own reference: import them first and patch every
+    # reference (patching only the loader's would leak the fake into a module first imported during the test).
+    for name in ("engine_bench", "perplexity", "speculative_bench", "split"):
+        importlib.import_module(f"kobold_backend.bench.{name}")
+    real = kobold_backend.engine.loader.load_model
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("kobold_backend") and getattr(module, "load_model", None) is real:
+            monkeypatch.setattr(module, "load_model", record)
     monkeypatch.setattr(kobold_backend.demo, "ensure_demo_model", record)
     yield calls
 
