@@ -30,6 +30,7 @@ import kobold_backend
 from kobold_backend import wheels
 from kobold_backend.cli import main as cli
 from kobold_backend.doctor import doctor_report
+from kobold_backend.ops import native
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / "wheels"
@@ -55,9 +56,11 @@ PYTHONS = ("3.8", "3.9", "3.10", "3.11", "3.12", "3.13")
 # The build matrix (docs/wheels.md, "Committed wheels"): variant -> (Pythons, GPU code).
 MATRIX = {
     "cpu": (PYTHONS, []),
-    "cu118": (PYTHONS, ["75", "80", "86", "89", "90+PTX"]),
-    "cu130": (PYTHONS[2:], ["75", "80", "86", "89", "90", "100", "120+PTX"]),
+    "cu118": (PYTHONS, ["75", "80", "90+PTX"]),
+    "cu130": (PYTHONS[2:], ["75", "80", "90", "100", "120+PTX"]),
 }
+# GPUs every CUDA variant must run compiled code on (sm_86/89 through the sm_80 code: same major, higher minor)
+SERVED_BY_EVERY_CUDA_WHEEL = [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0)]
 WHEELS_FOLDER_LIMIT = 60_000_000  # bytes: the whole wheels/ folder (docs/wheels.md, "Size")
 
 
@@ -67,6 +70,8 @@ def test_index_covers_the_matrix_for_this_version() -> None:
     assert set(have) == expected
     for (variant, _), entry in have.items():
         assert entry["archs"] == MATRIX[variant][1]
+        if variant != "cpu":
+            assert all(native.arch_supported(cap, entry["archs"]) for cap in SERVED_BY_EVERY_CUDA_WHEEL), variant
     assert all(e["version"] == kobold_backend.__version__ for e in ENTRIES), "rebuild the wheels for this version"
     assert len({e["wheel"] for e in ENTRIES}) == len(ENTRIES)
     listed = {e["wheel"] for e in ENTRIES}
