@@ -46,7 +46,7 @@ def _greedy_run(model: Model, prompt: List[int], steps: int, use_graphs: bool,
         sampler.begin(prompt)
         driver: Any = lane
         if spec is not None:
-            spec.begin(prompt, steps, sampler, None, False)
+            spec.begin(prompt, steps, sampler, False)
             driver = spec
         out: List[int] = []
         while True:

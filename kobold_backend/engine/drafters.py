@@ -60,7 +60,7 @@ class NgramDrafter:
         self.max_n = max_n
         self.min_n = min_n
 
-    def begin(self, sampler: Sampler, token_texts: Optional[List[str]], context_shift: bool) -> None:
+    def begin(self, sampler: Sampler, context_shift: bool) -> None:
         """Nothing to prepare: the context is all it reads."""
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
@@ -93,12 +93,10 @@ class ModelDrafter:
         self.context_shift = True
         self._fresh = True
 
-    def begin(self, sampler: Sampler, token_texts: Optional[List[str]], context_shift: bool) -> None:
+    def begin(self, sampler: Sampler, context_shift: bool) -> None:
         """Start a request: a twin of its sampler with its own random stream, and a cache to resynchronise."""
-        s = sampler
-        self.sampler = Sampler(s.settings, self.vocab_size, self.model.device, seed=(s.seed + 1) % 2**64,
-                               token_texts=token_texts, banned=s.banned)
-        self.sampler.begin(list(s.context))
+        self.sampler = sampler.twin(self.model.device, (sampler.seed + 1) % 2**64)
+        self.sampler.begin(list(sampler.context))
         self.context_shift = context_shift
         self._fresh = True
 

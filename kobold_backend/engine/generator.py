@@ -371,7 +371,7 @@ class Generator:
                           token_texts=self.tokenizer.token_strings(), banned=banned)
         sampler.begin(prompt)
         spec, spec_stats = start_speculation(
-            self.speculator, prompt, budget, sampler, self.tokenizer.token_strings(), self.context_shift,
+            self.speculator, prompt, budget, sampler, self.context_shift,
             passthrough=req.passthrough is not None, negative_prompt=guide is not None, beams=req.num_beams > 1)
         driver = self.lane if spec is None else spec  # the target's decode steps and rewinds
         beams = None

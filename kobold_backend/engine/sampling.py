@@ -131,7 +131,7 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(self.seed)
         self.context: List[int] = []
-        self.banned = tuple(banned)  # ids never drawn besides the settings' own bans (a twin sampler copies them)
+        self._inputs = (settings, vocab_size, token_texts, tuple(banned))  # what twin() builds another from
         # On the CPU, drop removed candidates between samplers (host reads are free there); tests may
         # switch it off to run the fixed-shape accelerator path on the CPU.
         self.compact = self.device.type == "cpu"
@@ -149,6 +149,12 @@ class Sampler:
         self._xtc = s.mirostat == 0 and xtc_enabled(s.xtc_threshold, s.xtc_probability)
         self._mu = torch.tensor(2.0 * s.mirostat_tau, dtype=torch.float32, device=self.device)
         self.begin([])
+
+    def twin(self, device: Union[torch.device, str], seed: int) -> Sampler:
+        """A sampler with this one's settings, vocabulary, token texts and bans but its own device and random
+        stream (a draft model samples through the request's transforms with it)."""
+        settings, vocab_size, token_texts, banned = self._inputs
+        return Sampler(settings, vocab_size, device, seed=seed, token_texts=token_texts, banned=banned)
 
     def _build_bias(self, s: SamplerSettings, extra: Sequence[int]) -> Tuple[Optional[torch.Tensor], bool]:
         """One additive tensor: clamped logit biases, -inf on banned ids (the settings' and `extra`, the

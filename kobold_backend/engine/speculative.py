@@ -129,8 +129,8 @@ def fallback_reason(*, passthrough: bool, negative_prompt: bool, beams: bool, mi
 
 
 def start_speculation(
-    speculator: Optional[Speculator], prompt: Sequence[int], budget: int, sampler: Sampler,
-    token_texts: Optional[List[str]], context_shift: bool, *, passthrough: bool, negative_prompt: bool, beams: bool,
+    speculator: Optional[Speculator], prompt: Sequence[int], budget: int, sampler: Sampler, context_shift: bool, *,
+    passthrough: bool, negative_prompt: bool, beams: bool,
 ) -> Tuple[Optional[Speculator], Optional[SpeculationStats]]:
     """(the speculator begun on this request or None, the stats the request reports: None without speculation,
     a fallback entry when the request uses a feature that cannot be speculated)."""
@@ -140,7 +140,7 @@ def start_speculation(
                              mirostat=sampler.settings.mirostat != 0)
     if reason:
         return None, SpeculationStats(mode=speculator.mode, fallback=reason)
-    speculator.begin(prompt, budget, sampler, token_texts, context_shift)
+    speculator.begin(prompt, budget, sampler, context_shift)
     return speculator, speculator.stats
 
 
@@ -189,15 +189,14 @@ class Speculator:
         self._prompt_len = 0
         self._budget = 0
 
-    def begin(self, context: Sequence[int], budget: int, sampler: Sampler, token_texts: Optional[List[str]],
-              context_shift: bool) -> None:
+    def begin(self, context: Sequence[int], budget: int, sampler: Sampler, context_shift: bool) -> None:
         """Start a request whose prompt (already in the target cache) is `context`, producing at most `budget`."""
         self.stats = SpeculationStats(mode=self.mode)
         self._context = list(context)
         self._prompt_len = len(self._context)
         self._budget = budget
         self._drop_round()
-        self.drafter.begin(sampler, token_texts, context_shift)
+        self.drafter.begin(sampler, context_shift)
 
     @property
     def proposal(self) -> Optional[Tuple[int, Optional[torch.Tensor]]]:
