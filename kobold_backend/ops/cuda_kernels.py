@@ -30,6 +30,9 @@ WS_FLOATS = 1 << 22
 WS_COUNTERS = 1 << 16
 EXL2_GEMV_MAX_ROWS = 4  # rows the EXL2 GEMV takes (csrc/cuda/exl2.cu); more go through dequantize + matmul
 GGML_GEMV_MAX_ROWS = 4  # rows the GGML GEMV takes on CUDA (csrc/cuda/ggml.cu: fewer instances, smaller wheels)
+# Rows the tensor-core GPTQ product takes (csrc/cuda/gptq_mma.cu) past the GEMV's: a chat turn's new tokens read the
+# packed weights once; longer prompt chunks dequantize once for cuBLAS.
+MMA_MAX_ROWS = 128
 
 # gptq_gemv's `variant`: chosen by shape, or one kernel forced (the whole-K ones only where their shape check
 # passes; the 512-thread one takes 1 or 2 rows; the lean one, csrc/cuda/gptq_lean.cu, the 256-thread one's shapes,
@@ -44,6 +47,8 @@ CUDA_SIGNATURES: Dict[str, Tuple[str, ...]] = {
     "gptq_gemv": ("x", "x_stride", "rows", "k", "perm", "qweight", "n", "scales", "zeros", "group_size", "groups",
                   "bias", "out", "ws", "variant", "device", "stream"),
     "gptq_dequantize": ("qweight", "k", "n", "scales", "zeros", "group_size", "groups", "out", "device", "stream"),
+    "gptq_mma": ("x", "x_stride", "rows", "k", "qweight", "n", "scales", "zeros", "group_size", "groups", "bias",
+                 "out", "partial", "splits", "device", "stream"),
     "exl2_gemv": ("x", "x_stride", "rows", "k", "perm", "q_weight", "n", "n_stored", "q_scale", "q_scale_max",
                   "chunks", "chunk_groups", "bias", "out", "ws", "device", "stream"),
     "exl2_dequantize": ("k", "perm", "q_weight", "n", "n_stored", "q_scale", "q_scale_max", "chunks",
@@ -73,6 +78,7 @@ class CudaKernels:
     def __init__(self, module: Any) -> None:
         self.module = module
         self._workspaces: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._mma_splits: Dict[Tuple[int, int, int], int] = {}
         # torch's own fast accessor of the current cudaStream_t (what its compiler uses), if this torch has it.
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -138,7 +144,7 @@ class CudaKernels:
                     variant: int = GEMV_AUTO) -> torch.Tensor:
         """x @ dequantize(w); 1..8 rows through the GEMV (`variant`: GEMV_AUTO picks the kernel by shape;
         GEMV_SPLIT_K, GEMV_WHOLE_K, GEMV_WHOLE_K_512, GEMV_WHOLE_K_LEAN and GEMV_WHOLE_K_LEAN_PDL force one, for
-        tools/gptq_gemv_bench.py), more through cuBLAS."""
+        tools/gptq_gemv_bench.py), up to MMA_MAX_ROWS through the tensor-core product, more through cuBLAS."""
         if (x.dim() != 2 or x.shape[1] != w.in_features or x.dtype != torch.float16
                 or w.scales.dtype != torch.float16 or w.zeros.dtype != torch.float16
                 or (w.bias is not None and w.bias.dtype != torch.float16)):
@@ -150,7 +156,9 @@ class CudaKernels:
                    and w.qweight.data_ptr() % 16 == 0 and w.scales.data_ptr() % 8 == 0
                    and w.zeros.data_ptr() % 8 == 0)
         if not gemv_ok:
-            y = self._dequant_matmul(x, w)
+            y = self._mma(x, w) if m <= MMA_MAX_ROWS else None
+            if y is None:
+                y = self._dequant_matmul(x, w)
             return y if out is None else out_tensor(out, y.shape, x).copy_(y)
         x2 = last_contiguous(x)
         y = out_tensor(out, (m, n), x)
@@ -191,6 +199,32 @@ class CudaKernels:
                    n_stored=w.stored_columns, q_scale=w.q_scale.data_ptr(), q_scale_max=w.q_scale_max.data_ptr(),
                    chunks=w.chunks.data_ptr(), chunk_groups=w.chunk_groups.data_ptr(),
                    bias=0 if w.bias is None else w.bias.data_ptr(), out=y.data_ptr())
+        return y
+
+    def _mma(self, x: torch.Tensor, w: Any) -> Optional[torch.Tensor]:
+        """x @ dequantize(w) on the tensor cores reading the packed weights (None where the shape or the loaded
+        module does not suit csrc/cuda/gptq_mma.cu: K or N not a multiple of 64, group size not one of 8)."""
+        k, n = w.in_features, w.out_features
+        if (not hasattr(self.module, "gptq_mma") or k % 64 or n % 64 or w.group_size % 8
+                or w.qweight.data_ptr() % 16 or w.scales.data_ptr() % 8 or w.zeros.data_ptr() % 8):
+            return None
+        dev = x.device
+        if w.perm is not None:
+            x = x.index_select(-1, w.perm)
+        x2 = x.contiguous()
+        if x2.data_ptr() % 16:
+            x2 = x2.clone()
+        key = (dev.index or 0, k, n)
+        splits = self._mma_splits.get(key)
+        if splits is None:
+            splits = self._mma_splits[key] = int(self.module.gptq_mma_splits(k, n, dev.index or 0))
+        m = x2.shape[0]
+        partial = torch.empty((splits, (m + 15) // 16 * 16, n), dtype=torch.float32, device=dev)
+        y = torch.empty((m, n), dtype=torch.float16, device=dev)
+        self._call("gptq_mma", dev, x=x2.data_ptr(), x_stride=x2.stride(0), rows=m, k=k, qweight=w.qweight.data_ptr(),
+                   n=n, scales=w.scales.data_ptr(), zeros=w.zeros.data_ptr(), group_size=w.group_size,
+                   groups=w.scales.shape[0], bias=0 if w.bias is None else w.bias.data_ptr(), out=y.data_ptr(),
+                   partial=partial.data_ptr(), splits=splits)
         return y
 
     def _dequant_matmul(self, x: torch.Tensor, w: Any) -> torch.Tensor:
