@@ -11,8 +11,6 @@
 // into fp16 `out`.
 #include <mma.h>
 
-#include <algorithm>
-
 #include "kb_cuda.cuh"
 #include "ops_cuda.h"
 
@@ -113,12 +111,6 @@ void launch(const MmaArgs& a, int splits, int k_per_split) {
 
 }  // namespace
 
-int gptq_mma_splits(int64_t k, int64_t n, int device) {
-    const int64_t steps = k / kBK, tiles = n / kBN;
-    const int64_t want = (4LL * sm_count(device) + tiles - 1) / tiles;  // ~4 blocks of 128 threads per SM
-    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, steps, 64})));
-}
-
 void gptq_mma(const MmaArgs& a) {
     require(a.m >= 1 && a.m <= kMmaMaxRows, "gptq_mma takes 1..128 rows");
     require(a.k % kBK == 0 && a.n % kBN == 0 && a.k < (1LL << 31) && a.n < (1LL << 31),
@@ -128,7 +120,7 @@ void gptq_mma(const MmaArgs& a) {
     require(a.x_stride % 8 == 0 && aligned(a.x, 16) && aligned(a.qweight, 16) && aligned(a.scales, 8) &&
                 aligned(a.zeros, 8) && aligned(a.partial, 32),
             "gptq_mma: x rows, weights, scales, zeros and the partial sums must be aligned");
-    require(a.splits == gptq_mma_splits(a.k, a.n, a.device), "gptq_mma: splits != gptq_mma_splits(K, N)");
+    require(a.splits >= 1 && a.splits <= a.k / kBK, "gptq_mma: splits must be in 1..K/64");
     use_device(a.device);
     const int64_t steps = a.k / kBK;
     const int k_per_split = static_cast<int>((steps + a.splits - 1) / a.splits * kBK);

@@ -65,7 +65,6 @@ PYBIND11_MODULE(_ext_cuda, m) {
         kc::gptq_gemv(a);
     });
 
-    m.def("gptq_mma_splits", &kc::gptq_mma_splits);
     m.def("gptq_mma", [](std::uintptr_t x, int64_t x_stride, int64_t rows, int64_t k, std::uintptr_t qweight,
                          int64_t n, std::uintptr_t scales, std::uintptr_t zeros, int64_t group_size, int64_t groups,
                          std::uintptr_t bias, std::uintptr_t out, std::uintptr_t partial, int64_t splits, int device,

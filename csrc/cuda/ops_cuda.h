@@ -68,11 +68,10 @@ struct MmaArgs {
     const void* bias;         // [N] fp16 or null
     void* out;                // [M, N] fp16, contiguous
     float* partial;           // [splits, 16 * ceil(M / 16), N] fp32 scratch
-    int64_t splits;           // gptq_mma_splits(K, N, device)
+    int64_t splits;           // slices of K (1..K/64); fewer are used when the slices round up to 64 inputs
     int device;
     std::uintptr_t stream;
 };
-int gptq_mma_splits(int64_t k, int64_t n, int device);
 void gptq_mma(const MmaArgs& a);
 
 void gptq_dequantize(const uint32_t* qweight, int64_t k, int64_t n, const void* scales, const void* zeros,

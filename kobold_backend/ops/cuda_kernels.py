@@ -78,7 +78,7 @@ class CudaKernels:
     def __init__(self, module: Any) -> None:
         self.module = module
         self._workspaces: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
-        self._mma_splits: Dict[Tuple[int, int, int], int] = {}
+        self._sms: Dict[int, int] = {}
         # torch's own fast accessor of the current cudaStream_t (what its compiler uses), if this torch has it.
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -214,10 +214,12 @@ class CudaKernels:
         x2 = x.contiguous()
         if x2.data_ptr() % 16:
             x2 = x2.clone()
-        key = (dev.index or 0, k, n)
-        splits = self._mma_splits.get(key)
-        if splits is None:
-            splits = self._mma_splits[key] = int(self.module.gptq_mma_splits(k, n, dev.index or 0))
+        index = dev.index or 0  # a CUDA tensor's device always has its index
+        sms = self._sms.get(index)
+        if sms is None:
+            sms = self._sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        # slices of K until there are ~4 blocks of 64 columns per multiprocessor
+        splits = max(1, min(k // 64, 64, -(-4 * sms // (n // 64))))
         m = x2.shape[0]
         partial = torch.empty((splits, (m + 15) // 16 * 16, n), dtype=torch.float32, device=dev)
         y = torch.empty((m, n), dtype=torch.float16, device=dev)
