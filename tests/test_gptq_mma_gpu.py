@@ -1,12 +1,17 @@
 """The tensor-core GPTQ product (csrc/cuda/gptq_mma.cu) for 9..128 rows against the float64 oracle on the CPU,
 outputs poisoned: 7B shapes, group sizes 32/128/whole K, act-order, bias, split-K and one-slice shapes, rows that
-fill 16-row tiles partly, large inputs, and replay inside a CUDA graph (-m gpu)."""
+fill 16-row tiles partly, large inputs, and replay inside a CUDA graph; a chat turn's chunk through a lane's
+graph equals the eager forward (-m gpu)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 
+from kobold_backend.engine.lane import Lane
+from kobold_backend.engine.loader import load_model
 from kobold_backend.ops import native
 from tests.ext_helpers import assert_close_rel, gptq_oracle, make_gptq, poisoned, random
 
@@ -74,3 +79,30 @@ def test_gptq_mma_in_a_cuda_graph(kernels: native.CudaKernels) -> None:
     torch.cuda.synchronize()
     assert_close_rel(y, gptq_oracle(x, w), TOL, "mma graph replay")
 
+
+
+@pytest.mark.parametrize("name", ["gptq_v1_sym_g32", "dense_fp16", "head32"])
+def test_lane_replays_a_graph_for_a_chat_turn(checkpoints: Any, name: str) -> None:
+    """A short chunk fed to a lane with graphs (padded to 16 rows) gives the eager forward's logits, cache and
+    tokens; a chunk whose padding would pass the end of the cache runs eagerly."""
+    lm = load_model(checkpoints.get(name).path, device="cuda", max_seq_len=160)
+    model = lm.model
+    graphs, eager = Lane(model, model.new_cache(160), True), Lane(model, model.new_cache(160), False)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, model.config.vocab_size, (60,), generator=g).tolist()
+    for lane in (graphs, eager):
+        lane.feed(prompt, None)
+    assert graphs.graph is not None
+    for chunk in (23, 23, 7, 16, 20):  # the last one at 129: 32 padded rows would pass 160
+        captured = len(graphs.graph.graphs)
+        ids = torch.randint(3, model.config.vocab_size, (chunk,), generator=g).tolist()
+        got, want = graphs.feed(ids, None), eager.feed(ids, None)
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < 2e-2, f"{name}: a {chunk}-token chunk at {graphs.cache.seq_len - chunk}: {err:.3g}"
+        assert graphs.cache.seq_len == eager.cache.seq_len and graphs.cache.tokens == eager.cache.tokens
+    assert len(graphs.graph.graphs) == captured, "the chunk that cannot be padded runs eagerly"
+    assert captured >= 2, "the chunks before it must have replayed graphs"
+    n = graphs.cache.seq_len
+    for index in range(len(model.layers)):
+        a, b = graphs.cache.k[index], eager.cache.k[index]
+        torch.testing.assert_close(a[:, :, :n].float(), b[:, :, :n].float(), rtol=2e-2, atol=2e-2)

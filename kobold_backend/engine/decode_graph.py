@@ -18,6 +18,10 @@ from kobold_backend.engine.model import Model
 log = logging.getLogger(__name__)
 
 MIN_BUCKET = 256
+#: prompt chunks of up to this many tokens (a chat turn's new text) replay a graph too, padded to a multiple of
+#: ROW_STEP rows so a conversation's varying turn lengths share a few captures
+MAX_PREFILL_ROWS = 128
+ROW_STEP = 16
 _capture_streams: Dict[torch.device, torch.cuda.Stream] = {}
 
 
