@@ -118,7 +118,8 @@ class SpeculationStats:
         if self.fallback:
             return f"{self.mode} off for this request ({self.fallback})"
         return (f"{self.mode}: {self.accepted}/{self.drafted} drafted tokens accepted "
-                f"({100.0 * self.acceptance_rate:.1f} %), {self.tokens_per_forward:.2f} tokens per target forward")
+                f"({100.0 * self.acceptance_rate:.1f} %), {self.tokens_per_forward:.2f} tokens per target forward, "
+                f"{self.backed_off} plain steps backed off")
 
 
 def fallback_reason(*, passthrough: bool, negative_prompt: bool, beams: bool, mirostat: bool) -> str:
