@@ -96,6 +96,18 @@ class Lane:
         self.cache.tokens.append(token)
         return logits
 
+    def rows(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Feed tokens in one forward and keep every position's logits [T, V] (a speculative verification): one
+        CUDA-graph replay when possible, reading the weights once for all rows."""
+        if self.graph is None:
+            logits = self.model.forward(
+                torch.tensor([list(tokens)], dtype=torch.long, device=self.model.embed_tokens.device), self.cache,
+                last_only=False)[0]
+        else:
+            logits = self.graph.rows(tokens)
+        self.cache.tokens.extend(tokens)
+        return logits
+
     def rewind_to(self, length: int, passthrough: Optional[ForwardHooks]) -> torch.Tensor:
         """Keep `length` positions, then re-run the last kept token to get the logits that follow it."""
         last = self.cache.tokens[length - 1]

@@ -248,8 +248,8 @@ class CudaKernels:
     def rope_cache_write_at(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One token at the position held by the device tensor `pos` (read by the kernel: graph-capturable)."""
-        if (not self._rope_ok(q, k, v, cos, sin, k_cache, v_cache) or q.shape[1] != 1 or pos.numel() != 1
+        """T tokens at the positions pos.., `pos` a device tensor read by the kernel (graph-capturable)."""
+        if (not self._rope_ok(q, k, v, cos, sin, k_cache, v_cache) or pos.numel() != 1
                 or pos.dtype != torch.int64 or pos.device != q.device):
             return reference.rope_cache_write_at(q, k, v, cos, sin, pos, k_cache, v_cache)
         return self._rope(q, k, v, cos, sin, 0, pos.data_ptr(), k_cache, v_cache, out)
@@ -340,7 +340,7 @@ class CudaKernels:
                        pos: int, pos_dev: Optional[torch.Tensor], k_cache: Any, v_cache: Any
                        ) -> Optional[torch.Tensor]:
         """RoPE on q [B, T, Hq, D] and k, then k and v quantized into 8/4-bit caches at pos.. (or at the device
-        tensor `pos_dev`, one token); returns the rotated q, or None when the layout does not suit the kernel."""
+        tensor `pos_dev`); returns the rotated q, or None when the layout does not suit the kernel."""
         dev = q.device
         if (q.dtype != torch.float16 or q.dim() != 4 or k.dim() != 4
                 or any(x.dtype != q.dtype or x.device != dev for x in (k, v))
@@ -351,7 +351,7 @@ class CudaKernels:
                                                                        v_cache.data, v_cache.scales))
                 or tuple(k_cache.shape[:2]) != (k.shape[0], k.shape[2]) or k_cache.head_dim != q.shape[3]
                 or tuple(v_cache.shape) != tuple(k_cache.shape)
-                or (pos_dev is not None and (q.shape[1] != 1 or pos_dev.numel() != 1
+                or (pos_dev is not None and (pos_dev.numel() != 1
                                              or pos_dev.dtype != torch.int64 or pos_dev.device != dev))):
             return None
         b, t, hq, d = q.shape
