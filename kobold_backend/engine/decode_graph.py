@@ -3,13 +3,14 @@
 Batch-1 decode is launch-bound long before it is bandwidth-bound; replaying a graph removes the
 Python and launch overhead of several hundred kernels per token. Positions live in a device tensor
 so one capture serves every position inside its bucket. One row is a decode step; k+1 rows are a speculative
-verification (the drafted tokens scored in one forward that reads the weights once for all rows).
+verification (the drafted tokens scored in one forward that reads the weights once for all rows); a short prompt
+chunk (a chat turn's new tokens) is padded to a multiple of 16 rows.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -60,6 +61,20 @@ class GraphDecoder:
     def step(self, token: int) -> torch.Tensor:
         """Feed one token at cache.seq_len; returns float32 logits [V] (a view of a static buffer)."""
         return self.rows([token])[0]
+
+    def prefill(self, tokens: Sequence[int]) -> Optional[torch.Tensor]:
+        """Feed a short prompt chunk (2..MAX_PREFILL_ROWS tokens) in one replay; float32 logits [V] after its last
+        token, or None when the padded rows do not fit in the cache (then the caller runs the chunk eagerly).
+        The padding rows repeat the last token at the positions after the chunk: they write cache entries past
+        `seq_len`, which nothing reads before a later token overwrites them."""
+        t = len(tokens)
+        padded = -(-t // ROW_STEP) * ROW_STEP
+        pos = self.cache.seq_len
+        if not 1 < t <= MAX_PREFILL_ROWS or pos + padded > self.cache.max_seq_len:
+            return None
+        logits = self.rows(list(tokens) + [tokens[-1]] * (padded - t))
+        self.cache.seq_len = pos + t
+        return logits[t - 1]
 
     def rows(self, tokens: Sequence[int]) -> torch.Tensor:
         """Feed tokens at cache.seq_len.. in one forward; float32 logits [T, V], row i after tokens[i] (a view of
