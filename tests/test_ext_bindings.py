@@ -96,6 +96,9 @@ def test_cuda_wrappers_name_every_argument_of_their_kernel(monkeypatch: pytest.M
     w = make_gptq(64, 32, 32, seed=1, dtype=half)
     k.rms_norm(x, torch.ones(64, dtype=half), 1e-5)
     k.gptq_matmul(x, w)
+    monkeypatch.setattr(k, "_sms", {0: 132})
+    w64 = make_gptq(128, 64, 32, seed=8, dtype=half)
+    k.gptq_matmul(random((12, 128), half, seed=9), w64)  # 9..128 rows: the tensor-core product
     k.gptq_dequantize(w)
     q = random((1, 3, 4, 8), half, seed=2)
     kv = random((1, 3, 2, 8), half, seed=3)
@@ -120,6 +123,8 @@ def test_cuda_wrappers_name_every_argument_of_their_kernel(monkeypatch: pytest.M
     c = module.calls
     assert (c["rms_norm"]["rows"], c["rms_norm"]["d"], c["rms_norm"]["eps"]) == (2, 64, pytest.approx(1e-5))
     assert c["rms_norm"]["residual"] == 0 and c["rms_norm"]["stream"] == 77
+    mma = c["gptq_mma"]
+    assert (mma["rows"], mma["k"], mma["n"], mma["group_size"], mma["groups"], mma["splits"]) == (12, 128, 64, 32, 4, 2)
     gemv = c["gptq_gemv"]
     assert (gemv["rows"], gemv["k"], gemv["n"], gemv["group_size"], gemv["groups"]) == (2, 64, 32, 32, 2)
     assert gemv["qweight"] == w.qweight.data_ptr() and gemv["ws"] == (1, 2, 3, 4)

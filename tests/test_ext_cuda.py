@@ -133,9 +133,10 @@ def test_gptq_gemv_lean_large_inputs(kernels: native.CudaKernels, k: int, n: int
         assert_close_rel(y[i:i + 1], want[i:i + 1], TOL, f"lean {k}x{n} act={act} m={m} row {i}")
 
 
-@pytest.mark.parametrize("m,n,gs", [(9, 4096, 128), (64, 4096, 128), (1, 6, 8), (3, 64, 20)])
+@pytest.mark.parametrize("m,n,gs", [(129, 4096, 128), (300, 4096, 128), (1, 6, 8), (3, 64, 20), (12, 4100, 128)])
 def test_gptq_matmul_dequant_path(kernels: native.CudaKernels, m: int, n: int, gs: int) -> None:
-    """Prompt-sized inputs, N % 4 != 0 and group sizes that are not multiples of 8 dequantize + cuBLAS."""
+    """Prompt-sized inputs (past the tensor-core product's 128 rows), N % 4 != 0 and group sizes that are not
+    multiples of 8, and 9..128 rows whose N is not a multiple of 64, dequantize + cuBLAS."""
     w = make_gptq(4096 if n > 64 else 160, n, gs, act_order=True, dtype=F16, bias=True, device="cuda", seed=m)
     x = random((m, w.in_features), F16, seed=m + 1, device="cuda")
     y = kernels.gptq_matmul(x, w, out=poisoned((m, n), F16, "cuda"))

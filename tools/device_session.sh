@@ -9,6 +9,7 @@
 #   exl2logits  exllamav2's causal logits for tests/data/exl2 (tools/exl2_reference_logits.py; results.tgz holds
 #               reference-logits-causal.safetensors, to be committed under tests/data/exl2/)
 #   ggml        GGML block-kernel timings (tools/ggml_timing.py)
+#   mma         the tensor-core GPTQ product against dequantize + cuBLAS for 9..128 rows (tools/mma_timing.py)
 #   kvtiming    decode attention and decode steps per cache dtype (tools/kv_quant_timing.py)
 #   ext         the doctor report and the kernel timing table (tools/ext_timing.py)
 #   compare     `bench --preset llama2-7b --compare` (this engine beside exllamav2 and transformers)
@@ -86,6 +87,9 @@ timeout 60 python3 tools/ext_timing.py > "$OUT/ext_timing.txt" 2>&1; tail -20 "$
 
 named ggml && { section "GGML kernel timings"
 timeout 60 python3 tools/ggml_timing.py > "$OUT/ggml_timing.txt" 2>&1; tail -30 "$OUT/ggml_timing.txt"; }
+
+named mma && { section "tensor-core GPTQ product timings"
+timeout 90 python3 tools/mma_timing.py > "$OUT/mma_timing.txt" 2>&1; tail -22 "$OUT/mma_timing.txt"; }
 
 named kvtiming && { section "quantized KV cache timings"
 timeout 60 python3 tools/kv_quant_timing.py --layers 2 --steps 16 > "$OUT/kv_timing.txt" 2>&1

@@ -65,6 +65,17 @@ PYBIND11_MODULE(_ext_cuda, m) {
         kc::gptq_gemv(a);
     });
 
+    m.def("gptq_mma", [](std::uintptr_t x, int64_t x_stride, int64_t rows, int64_t k, std::uintptr_t qweight,
+                         int64_t n, std::uintptr_t scales, std::uintptr_t zeros, int64_t group_size, int64_t groups,
+                         std::uintptr_t bias, std::uintptr_t out, std::uintptr_t partial, int64_t splits, int device,
+                         std::uintptr_t stream) {
+        kc::MmaArgs a{ptr<const void>(x), x_stride, rows, k, ptr<const uint32_t>(qweight), n, ptr<const void>(scales),
+                      ptr<const void>(zeros), group_size, groups, ptr<const void>(bias), ptr<void>(out),
+                      ptr<float>(partial), splits, device, stream};
+        py::gil_scoped_release release;
+        kc::gptq_mma(a);
+    });
+
     m.def("exl2_gemv", [](std::uintptr_t x, int64_t x_stride, int64_t rows, int64_t k, std::uintptr_t perm,
                           std::uintptr_t q_weight, int64_t n, int64_t n_stored, std::uintptr_t q_scale,
                           std::uintptr_t q_scale_max, std::uintptr_t chunks, std::uintptr_t chunk_groups,

@@ -55,6 +55,25 @@ void gptq_gemv_wide(const GemvArgs& a, int threads);  // whole-K GEMV; only wher
 // whole-K, fewer instructions per weight; where gptq_gemv_wide_fits(a, 256); pdl: programmatic dependent launch
 void gptq_gemv_lean(const GemvArgs& a, bool pdl);
 
+// Tensor-core GPTQ 4-bit product for 1..kMmaMaxRows rows (gptq_mma.cu): K and N multiples of 64, group_size % 8 == 0.
+constexpr int64_t kMmaMaxRows = 128;
+struct MmaArgs {
+    const void* x;  // [M, K] fp16, row stride x_stride (a multiple of 8), 16-byte aligned
+    int64_t x_stride, m, k;
+    const uint32_t* qweight;  // [K/8, N]
+    int64_t n;
+    const void* scales;       // [G, N] fp16
+    const void* zeros;        // [G, N] fp16
+    int64_t group_size, groups;
+    const void* bias;         // [N] fp16 or null
+    void* out;                // [M, N] fp16, contiguous
+    float* partial;           // [splits, 16 * ceil(M / 16), N] fp32 scratch
+    int64_t splits;           // slices of K (1..K/64); fewer are used when the slices round up to 64 inputs
+    int device;
+    std::uintptr_t stream;
+};
+void gptq_mma(const MmaArgs& a);
+
 void gptq_dequantize(const uint32_t* qweight, int64_t k, int64_t n, const void* scales, const void* zeros,
                      int64_t group_size, int64_t groups, void* out, int device, std::uintptr_t stream);
 

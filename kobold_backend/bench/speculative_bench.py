@@ -67,24 +67,25 @@ def _greedy_run(model: Model, prompt: List[int], steps: int, use_graphs: bool,
     if spec is not None:
         s = spec.stats
         result.update(acceptance_rate=s.acceptance_rate, drafted=s.drafted, accepted=s.accepted,
-                      tokens_per_target_forward=s.tokens_per_forward)
+                      tokens_per_target_forward=s.tokens_per_forward, backed_off_steps=s.backed_off)
     return result
 
 
 def _step_seconds(model: Model, context: int, use_graphs: bool, tokens: int = 1, repeats: int = 5) -> float:
-    """Seconds of one decode step (tokens == 1, a graph replay when possible) or one forward of `tokens` ids."""
+    """Seconds of one decode step (tokens == 1) or one verification forward of `tokens` ids, each a graph replay
+    when possible (Lane.step, Lane.rows)."""
     lane = Lane(model, model.new_cache(), use_graphs)
     ids = random_ids(context, model.config.vocab_size, 3)[0].tolist()
     lane.feed(ids, None)
     dev = model.device
-    extra = random_ids(tokens, model.config.vocab_size, 4, model.embed_tokens.device)
+    extra = random_ids(tokens, model.config.vocab_size, 4)[0].tolist()
 
     def once() -> None:
         lane.cache.truncate(context)
         if tokens == 1:
-            lane.step(int(extra[0, 0]), None)
+            lane.step(extra[0], None)
         else:
-            model.forward(extra, lane.cache, last_only=False)
+            lane.rows(extra)
 
     once()
     return min(timed(once, dev) for _ in range(repeats))
@@ -121,7 +122,7 @@ def bench_speculation(path: str, draft_path: Optional[str], device: str = "auto"
         result[text] = runs
     t_plain = _step_seconds(model, prompt_length, graphs)
     t_verify = _step_seconds(model, prompt_length, graphs, tokens=draft_tokens + 1)
-    components = {"plain_step_s": t_plain, "verify_forward_s": t_verify}
+    components = {"plain_step_s": t_plain, "verify_forward_s": t_verify, "verify_over_step": t_verify / t_plain}
     if draft is not None:
         t_draft = _step_seconds(draft.model, prompt_length, graphs)
         components["draft_step_s"] = t_draft
@@ -151,7 +152,8 @@ def format_speculation(r: Dict[str, Any]) -> List[str]:
                              f"{'' if run['identical_to_plain'] else ', DIFFERS'})")
         lines.append(f"  {text:10s} " + ", ".join(parts))
     c = r["components"]
-    line = f"  plain step {c['plain_step_s'] * 1e3:.2f} ms, verify forward {c['verify_forward_s'] * 1e3:.2f} ms"
+    line = (f"  plain step {c['plain_step_s'] * 1e3:.2f} ms, verify forward {c['verify_forward_s'] * 1e3:.2f} ms "
+            f"({c['verify_over_step']:.2f}x)")
     if "draft_step_s" in c:
         line += f", draft step {c['draft_step_s'] * 1e3:.2f} ms; predicted x" + ", x".join(
             f"{v:.2f} at {float(a):.0%}" for a, v in c["predicted_speedup"].items())

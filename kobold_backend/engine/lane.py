@@ -52,6 +52,7 @@ class Lane:
         self.model = model
         self.cache = cache
         self.graph = GraphDecoder(model, cache) if use_graphs else None
+        self.dense = all(layer.mlp is None for layer in model.layers)
         self.tainted = False  # the cache holds states computed with a passthrough's actions
 
     def prepare(self, prompt: List[int], passthrough: Optional[ForwardHooks],
@@ -70,7 +71,14 @@ class Lane:
         return self.feed(prompt[reuse:], passthrough), reuse
 
     def feed(self, ids: Sequence[int], passthrough: Optional[ForwardHooks]) -> torch.Tensor:
-        """Run ids through the model at the end of the cache; returns the last position's logits [V]."""
+        """Run ids through the model at the end of the cache; returns the last position's logits [V]. A short
+        chunk (a chat turn's new tokens) replays a CUDA graph where the lane has them and the model's layers
+        are dense (routed experts would be gathered per token inside a graph)."""
+        if self.graph is not None and passthrough is None and self.dense:
+            logits = self.graph.prefill(ids)
+            if logits is not None:
+                self.cache.tokens.extend(ids)
+                return logits
         logits = None
         for start in range(0, len(ids), PREFILL_CHUNK):
             chunk = list(ids[start : start + PREFILL_CHUNK])
@@ -86,6 +94,18 @@ class Lane:
             return self.feed([token], passthrough)
         logits = self.graph.step(token)
         self.cache.tokens.append(token)
+        return logits
+
+    def rows(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Feed tokens in one forward and keep every position's logits [T, V] (a speculative verification): one
+        CUDA-graph replay when possible, reading the weights once for all rows."""
+        if self.graph is None:
+            logits = self.model.forward(
+                torch.tensor([list(tokens)], dtype=torch.long, device=self.model.embed_tokens.device), self.cache,
+                last_only=False)[0]
+        else:
+            logits = self.graph.rows(tokens)
+        self.cache.tokens.extend(tokens)
         return logits
 
     def rewind_to(self, length: int, passthrough: Optional[ForwardHooks]) -> torch.Tensor:

@@ -262,9 +262,10 @@ class Model:
 
     @torch.inference_mode()
     def decode_step(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, length: int) -> torch.Tensor:
-        """One token [B, 1] at the device-tensor position `pos`, attending over the first `length` cache
-        positions; no host-side state changes, so a CUDA graph can capture it. The caller advances
-        `cache.seq_len`."""
+        """Tokens [B, T] at the device-tensor positions pos..pos+T-1 (T = 1 for a decode step, k+1 for a
+        speculative verification), each attending over the cache up to its own position within the first
+        `length`; float32 logits [B, T, V]. No host-side state changes, so a CUDA graph can capture it. The caller
+        advances `cache.seq_len`."""
         h = self._embed(ids)
         for index, layer in enumerate(self.layers):
             h = h.to(device=layer.device, dtype=layer.input_norm.dtype)
@@ -308,8 +309,7 @@ class Model:
         window, cap = self.windows[index], self.features.attn_softcap
         if pos_t is not None:
             q = ops.rope_cache_write_at(q, k, v, self.cos[index], self.sin[index], pos_t, k_cache, v_cache)
-            a = ops.decode_attention_at(q[:, 0], k_cache, v_cache, pos_t, length, self.scale,
-                                        window=window, softcap=cap)
+            a = ops.decode_attention_rows(q, k_cache, v_cache, pos_t, length, self.scale, window=window, softcap=cap)
         elif t == 1:
             q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
             a = ops.decode_attention(q[:, 0], k_cache, v_cache, pos + 1, self.scale, window=window, softcap=cap)

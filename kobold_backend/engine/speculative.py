@@ -30,6 +30,11 @@ if TYPE_CHECKING:
 MODES = ("off", "ngram", "draft")
 DEFAULT_DRAFT_TOKENS = {"ngram": 5, "draft": 4}
 MAX_DRAFT_TOKENS = 16
+#: from the BACKOFF_AFTER-th round in a row whose drafts were all rejected, decode plainly for 1, 2, 4, ... steps
+#: (up to MAX_BACKOFF) before drafting again; an accepted draft resets both. On text the drafter cannot guess a
+#: verification forward is wasted work, and backing off keeps speculation near plain decoding's speed there.
+BACKOFF_AFTER = 2
+MAX_BACKOFF = 16
 
 Drafter = Union[NgramDrafter, ModelDrafter]
 
@@ -96,6 +101,7 @@ class SpeculationStats:
     accepted: int = 0  # of those, tokens taken as they were drafted
     target_forwards: int = 0  # decode forwards of the target (one per round, drafted or not)
     generated: int = 0  # tokens chosen while speculation was on
+    backed_off: int = 0  # plain steps taken without asking the drafter, after rounds with nothing accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -112,7 +118,8 @@ class SpeculationStats:
         if self.fallback:
             return f"{self.mode} off for this request ({self.fallback})"
         return (f"{self.mode}: {self.accepted}/{self.drafted} drafted tokens accepted "
-                f"({100.0 * self.acceptance_rate:.1f} %), {self.tokens_per_forward:.2f} tokens per target forward")
+                f"({100.0 * self.acceptance_rate:.1f} %), {self.tokens_per_forward:.2f} tokens per target forward, "
+                f"{self.backed_off} plain steps backed off")
 
 
 def fallback_reason(*, passthrough: bool, negative_prompt: bool, beams: bool, mirostat: bool) -> str:
@@ -188,6 +195,9 @@ class Speculator:
         self._base = 0  # cache position of t (the round's first fed token)
         self._prompt_len = 0
         self._budget = 0
+        self._misses = 0  # rounds in a row that accepted nothing
+        self._backoff = 0  # plain steps to take after the next such round
+        self._skip = 0  # plain steps still to take before drafting again
 
     def begin(self, context: Sequence[int], budget: int, sampler: Sampler, context_shift: bool) -> None:
         """Start a request whose prompt (already in the target cache) is `context`, producing at most `budget`."""
@@ -195,6 +205,7 @@ class Speculator:
         self._context = list(context)
         self._prompt_len = len(self._context)
         self._budget = budget
+        self._misses = self._backoff = self._skip = 0
         self._drop_round()
         self.drafter.begin(sampler, context_shift)
 
@@ -224,19 +235,21 @@ class Speculator:
             return self._rows[self._next]  # type: ignore[index]
         if self._rows is not None:  # rejected (or the round is used up): forget the drafts after the prefix
             self.lane.cache.truncate(self._base + self._next + 1)
+            self._pace(accepted=self._next)
         self._drop_round()
         cache = self.lane.cache
         remaining = self._budget - (len(self._context) - self._prompt_len)
         k = min(self.k, remaining - 1, cache.max_seq_len - cache.seq_len - 1)
+        if self._skip > 0:
+            self._skip -= 1
+            self.stats.backed_off += 1
+            k = 0
         draft = self.drafter.propose(self._context, k) if k > 0 else Draft([], [])
         self.stats.target_forwards += 1
         if not draft.tokens:
             return self.lane.step(token, None)
         self._base = cache.seq_len
-        ids = [token] + draft.tokens
-        x = torch.tensor([ids], dtype=torch.long, device=self.lane.model.embed_tokens.device)
-        self._rows = self.lane.model.forward(x, cache, last_only=False)[0]
-        cache.tokens.extend(ids)
+        self._rows = self.lane.rows([token] + draft.tokens)
         self._draft = draft
         self._next = 0
         return self._rows[0]
@@ -246,6 +259,17 @@ class Speculator:
         self._drop_round()
         del self._context[length:]
         return self.lane.rewind_to(length, None)
+
+    def _pace(self, accepted: int) -> None:
+        """After a round: back off (doubling, up to MAX_BACKOFF plain steps) from the BACKOFF_AFTER-th round in a
+        row that accepted nothing."""
+        if accepted:
+            self._misses = self._backoff = 0
+            return
+        self._misses += 1
+        if self._misses >= BACKOFF_AFTER:
+            self._backoff = min(max(1, 2 * self._backoff), MAX_BACKOFF)
+            self._skip = self._backoff
 
     def _drop_round(self) -> None:
         self._rows = None

@@ -24,6 +24,7 @@ __all__ = [
     "attention",
     "decode_attention",
     "decode_attention_at",
+    "decode_attention_rows",
     "exl2_matmul",
     "gelu_tanh_mul",
     "ggml_matmul",
@@ -143,6 +144,25 @@ def decode_attention_at(
         # window's start depends on the device position, which the torch definition masks on the device.
         return reference.decode_attention_at(q, k_cache, v_cache, pos, length, scale, window, softcap)
     return k.decode_attention_at(q, k_cache, v_cache, pos, length, scale)
+
+
+def decode_attention_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    length: int,
+    scale: float,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """T query rows [B, T, Hq, D] at the device positions pos..pos+T-1, each over the cached positions up to its
+    own (a speculative verification forward in a CUDA graph); one row is decode_attention_at's case."""
+    if q.shape[1] == 1:
+        return decode_attention_at(q[:, 0], k_cache, v_cache, pos, length, scale, window, softcap).unsqueeze(1)
+    if _quantized(k_cache, v_cache):
+        return kv_quant.decode_attention_rows(q, k_cache, v_cache, pos, length, scale, window, softcap)
+    return reference.decode_attention_rows(q, k_cache, v_cache, pos, length, scale, window, softcap)
 
 
 def decode_attention(

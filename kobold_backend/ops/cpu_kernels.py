@@ -137,7 +137,7 @@ class CpuKernels:
     def rope_cache_write_at(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if q.dim() != 4 or q.shape[1] != 1 or pos.numel() != 1:
+        if q.dim() != 4 or pos.numel() != 1:
             return reference.rope_cache_write_at(q, k, v, cos, sin, pos, k_cache, v_cache)
         return self.rope_cache_write(q, k, v, cos, sin, int(pos), k_cache, v_cache, out=out)
 

@@ -30,6 +30,9 @@ WS_FLOATS = 1 << 22
 WS_COUNTERS = 1 << 16
 EXL2_GEMV_MAX_ROWS = 4  # rows the EXL2 GEMV takes (csrc/cuda/exl2.cu); more go through dequantize + matmul
 GGML_GEMV_MAX_ROWS = 4  # rows the GGML GEMV takes on CUDA (csrc/cuda/ggml.cu: fewer instances, smaller wheels)
+# Rows the tensor-core GPTQ product takes (csrc/cuda/gptq_mma.cu) past the GEMV's: a chat turn's new tokens read the
+# packed weights once; longer prompt chunks dequantize once for cuBLAS.
+MMA_MAX_ROWS = 128
 
 # gptq_gemv's `variant`: chosen by shape, or one kernel forced (the whole-K ones only where their shape check
 # passes; the 512-thread one takes 1 or 2 rows; the lean one, csrc/cuda/gptq_lean.cu, the 256-thread one's shapes,
@@ -44,6 +47,8 @@ CUDA_SIGNATURES: Dict[str, Tuple[str, ...]] = {
     "gptq_gemv": ("x", "x_stride", "rows", "k", "perm", "qweight", "n", "scales", "zeros", "group_size", "groups",
                   "bias", "out", "ws", "variant", "device", "stream"),
     "gptq_dequantize": ("qweight", "k", "n", "scales", "zeros", "group_size", "groups", "out", "device", "stream"),
+    "gptq_mma": ("x", "x_stride", "rows", "k", "qweight", "n", "scales", "zeros", "group_size", "groups", "bias",
+                 "out", "partial", "splits", "device", "stream"),
     "exl2_gemv": ("x", "x_stride", "rows", "k", "perm", "q_weight", "n", "n_stored", "q_scale", "q_scale_max",
                   "chunks", "chunk_groups", "bias", "out", "ws", "device", "stream"),
     "exl2_dequantize": ("k", "perm", "q_weight", "n", "n_stored", "q_scale", "q_scale_max", "chunks",
@@ -73,6 +78,7 @@ class CudaKernels:
     def __init__(self, module: Any) -> None:
         self.module = module
         self._workspaces: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sms: Dict[int, int] = {}
         # torch's own fast accessor of the current cudaStream_t (what its compiler uses), if this torch has it.
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -138,7 +144,7 @@ class CudaKernels:
                     variant: int = GEMV_AUTO) -> torch.Tensor:
         """x @ dequantize(w); 1..8 rows through the GEMV (`variant`: GEMV_AUTO picks the kernel by shape;
         GEMV_SPLIT_K, GEMV_WHOLE_K, GEMV_WHOLE_K_512, GEMV_WHOLE_K_LEAN and GEMV_WHOLE_K_LEAN_PDL force one, for
-        tools/gptq_gemv_bench.py), more through cuBLAS."""
+        tools/gptq_gemv_bench.py), up to MMA_MAX_ROWS through the tensor-core product, more through cuBLAS."""
         if (x.dim() != 2 or x.shape[1] != w.in_features or x.dtype != torch.float16
                 or w.scales.dtype != torch.float16 or w.zeros.dtype != torch.float16
                 or (w.bias is not None and w.bias.dtype != torch.float16)):
@@ -150,7 +156,9 @@ class CudaKernels:
                    and w.qweight.data_ptr() % 16 == 0 and w.scales.data_ptr() % 8 == 0
                    and w.zeros.data_ptr() % 8 == 0)
         if not gemv_ok:
-            y = self._dequant_matmul(x, w)
+            y = self._mma(x, w) if m <= MMA_MAX_ROWS else None
+            if y is None:
+                y = self._dequant_matmul(x, w)
             return y if out is None else out_tensor(out, y.shape, x).copy_(y)
         x2 = last_contiguous(x)
         y = out_tensor(out, (m, n), x)
@@ -193,6 +201,34 @@ class CudaKernels:
                    bias=0 if w.bias is None else w.bias.data_ptr(), out=y.data_ptr())
         return y
 
+    def _mma(self, x: torch.Tensor, w: Any) -> Optional[torch.Tensor]:
+        """x @ dequantize(w) on the tensor cores reading the packed weights (None where the shape or the loaded
+        module does not suit csrc/cuda/gptq_mma.cu: K or N not a multiple of 64, group size not one of 8)."""
+        k, n = w.in_features, w.out_features
+        if (not hasattr(self.module, "gptq_mma") or k % 64 or n % 64 or w.group_size % 8
+                or w.qweight.data_ptr() % 16 or w.scales.data_ptr() % 8 or w.zeros.data_ptr() % 8):
+            return None
+        dev = x.device
+        if w.perm is not None:
+            x = x.index_select(-1, w.perm)
+        x2 = x.contiguous()
+        if x2.data_ptr() % 16:
+            x2 = x2.clone()
+        index = dev.index or 0  # a CUDA tensor's device always has its index
+        sms = self._sms.get(index)
+        if sms is None:
+            sms = self._sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        # slices of K until there are ~4 blocks of 64 columns per multiprocessor
+        splits = max(1, min(k // 64, 64, -(-4 * sms // (n // 64))))
+        m = x2.shape[0]
+        partial = torch.empty((splits, (m + 15) // 16 * 16, n), dtype=torch.float32, device=dev)
+        y = torch.empty((m, n), dtype=torch.float16, device=dev)
+        self._call("gptq_mma", dev, x=x2.data_ptr(), x_stride=x2.stride(0), rows=m, k=k, qweight=w.qweight.data_ptr(),
+                   n=n, scales=w.scales.data_ptr(), zeros=w.zeros.data_ptr(), group_size=w.group_size,
+                   groups=w.scales.shape[0], bias=0 if w.bias is None else w.bias.data_ptr(), out=y.data_ptr(),
+                   partial=partial.data_ptr(), splits=splits)
+        return y
+
     def _dequant_matmul(self, x: torch.Tensor, w: Any) -> torch.Tensor:
         if w.perm is not None:
             x = x.index_select(-1, w.perm)
@@ -212,8 +248,8 @@ class CudaKernels:
     def rope_cache_write_at(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One token at the position held by the device tensor `pos` (read by the kernel: graph-capturable)."""
-        if (not self._rope_ok(q, k, v, cos, sin, k_cache, v_cache) or q.shape[1] != 1 or pos.numel() != 1
+        """T tokens at the positions pos.., `pos` a device tensor read by the kernel (graph-capturable)."""
+        if (not self._rope_ok(q, k, v, cos, sin, k_cache, v_cache) or pos.numel() != 1
                 or pos.dtype != torch.int64 or pos.device != q.device):
             return reference.rope_cache_write_at(q, k, v, cos, sin, pos, k_cache, v_cache)
         return self._rope(q, k, v, cos, sin, 0, pos.data_ptr(), k_cache, v_cache, out)
@@ -304,7 +340,7 @@ class CudaKernels:
                        pos: int, pos_dev: Optional[torch.Tensor], k_cache: Any, v_cache: Any
                        ) -> Optional[torch.Tensor]:
         """RoPE on q [B, T, Hq, D] and k, then k and v quantized into 8/4-bit caches at pos.. (or at the device
-        tensor `pos_dev`, one token); returns the rotated q, or None when the layout does not suit the kernel."""
+        tensor `pos_dev`); returns the rotated q, or None when the layout does not suit the kernel."""
         dev = q.device
         if (q.dtype != torch.float16 or q.dim() != 4 or k.dim() != 4
                 or any(x.dtype != q.dtype or x.device != dev for x in (k, v))
@@ -315,7 +351,7 @@ class CudaKernels:
                                                                        v_cache.data, v_cache.scales))
                 or tuple(k_cache.shape[:2]) != (k.shape[0], k.shape[2]) or k_cache.head_dim != q.shape[3]
                 or tuple(v_cache.shape) != tuple(k_cache.shape)
-                or (pos_dev is not None and (q.shape[1] != 1 or pos_dev.numel() != 1
+                or (pos_dev is not None and (pos_dev.numel() != 1
                                              or pos_dev.dtype != torch.int64 or pos_dev.device != dev))):
             return None
         b, t, hq, d = q.shape

@@ -158,7 +158,7 @@ class QuantizedKV:
         self[:, :, pos : pos + x.shape[2]].copy_(x)
 
     def write_at(self, x: torch.Tensor, pos: torch.Tensor) -> None:
-        """x [B, H, 1, D] quantized into the position held by the device tensor `pos` (graph-capturable)."""
+        """x [B, H, T, D] quantized into the T positions held by the device tensor `pos` (graph-capturable)."""
         data, scales = quantize(x, self.bits)
         self.data.index_copy_(2, pos, data)
         self.scales.index_copy_(2, pos, scales)
@@ -186,13 +186,16 @@ def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
 
 def rope_cache_write_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         pos: torch.Tensor, k_cache: Any, v_cache: Any) -> torch.Tensor:
-    """rope_cache_write for one token at the device-tensor position `pos` (CUDA-graph capturable)."""
+    """rope_cache_write for T tokens at positions pos..pos+T-1, `pos` a device tensor (CUDA-graph capturable)."""
     out = _native_write(q, k, v, cos, sin, 0, pos, k_cache, v_cache)
     if out is not None:
         return out
-    q_rot, k_rot = _rope(q, k, cos.index_select(0, pos).view(1, 1, 1, -1), sin.index_select(0, pos).view(1, 1, 1, -1))
-    _store_at(k_cache, k_rot.to(k.dtype).transpose(1, 2), pos)
-    _store_at(v_cache, v.transpose(1, 2), pos)
+    at = reference.row_positions(pos, q.shape[1])
+    c = cos.index_select(0, at).view(1, -1, 1, cos.shape[-1])
+    s = sin.index_select(0, at).view(1, -1, 1, sin.shape[-1])
+    q_rot, k_rot = _rope(q, k, c, s)
+    _store_at(k_cache, k_rot.to(k.dtype).transpose(1, 2), at)
+    _store_at(v_cache, v.transpose(1, 2), at)
     return q_rot
 
 
@@ -249,6 +252,20 @@ def decode_attention_at(q: torch.Tensor, k_cache: Any, v_cache: Any, pos: torch.
         return out
     return reference.decode_attention_at(q, _dense(k_cache, length), _dense(v_cache, length), pos, length, scale,
                                          window, softcap)
+
+
+def decode_attention_rows(q: torch.Tensor, k_cache: Any, v_cache: Any, pos: torch.Tensor, length: int,
+                          scale: float, window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
+    """reference.decode_attention_rows over quantized caches: each row of q [B, T, Hq, D] through the native
+    one-row kernel at its own device position where one is loaded, else the first `length` positions dequantized
+    once for all rows."""
+    at = reference.row_positions(pos, q.shape[1])
+    rows = [_native_call(q[:, i], k_cache, v_cache, length, at[i : i + 1], scale, window, softcap)
+            for i in range(q.shape[1])]
+    if all(r is not None for r in rows):
+        return torch.stack(rows, dim=1)  # type: ignore[arg-type]
+    return reference.decode_attention_rows(q, _dense(k_cache, length), _dense(v_cache, length), pos, length, scale,
+                                           window, softcap)
 
 
 def _native_call(q: torch.Tensor, k_cache: Any, v_cache: Any, length: int, pos: Optional[torch.Tensor],

@@ -163,6 +163,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return F.linear(x, weight, bias)
 
 
+def row_positions(pos: torch.Tensor, t: int) -> torch.Tensor:
+    """The device positions pos, pos+1, ..., pos+t-1 of t rows fed at the device-tensor position `pos`."""
+    return pos.reshape(1) + torch.arange(t, device=pos.device, dtype=pos.dtype)
+
+
 def rope_cache_write_at(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -173,13 +178,14 @@ def rope_cache_write_at(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
 ) -> torch.Tensor:
-    """rope_cache_write for one token whose position is a device tensor (CUDA-graph capturable)."""
-    c = cos.index_select(0, pos).view(1, 1, 1, -1)
-    s = sin.index_select(0, pos).view(1, 1, 1, -1)
+    """rope_cache_write for T tokens at positions pos..pos+T-1, `pos` a device tensor (CUDA-graph capturable)."""
+    at = row_positions(pos, q.shape[1])
+    c = cos.index_select(0, at).view(1, -1, 1, cos.shape[-1])
+    s = sin.index_select(0, at).view(1, -1, 1, sin.shape[-1])
     q_rot = (q.float() * c + rotate_half(q.float()) * s).to(q.dtype)
     k_rot = (k.float() * c + rotate_half(k.float()) * s).to(k.dtype)
-    k_cache.index_copy_(2, pos, k_rot.transpose(1, 2))
-    v_cache.index_copy_(2, pos, v.transpose(1, 2))
+    k_cache.index_copy_(2, at, k_rot.transpose(1, 2))
+    v_cache.index_copy_(2, at, v.transpose(1, 2))
     return q_rot
 
 
@@ -210,3 +216,35 @@ def decode_attention_at(
         masked = masked | (cols <= pos - window)
     probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1).to(v.dtype)
     return torch.matmul(probs, v).view(b, hq, d)
+
+
+def decode_attention_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    length: int,
+    scale: float,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """decode_attention_at for T query rows q [B, T, Hq, D] at positions pos..pos+T-1 (a verification forward):
+    row i sees the cached positions up to pos + i (with a window, only those after pos + i - window); returns
+    [B, T, Hq, D]."""
+    b, t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    g = hq // hkv
+    k = k_cache[:, :, :length]
+    v = v_cache[:, :, :length]
+    qg = q.reshape(b, t, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    last = row_positions(pos, t).repeat_interleave(g).view(t * g, 1)  # the position of each score row
+    cols = torch.arange(length, device=q.device).view(1, length)
+    masked = cols > last
+    if window is not None and length > window:
+        masked = masked | (cols <= last - window)
+    probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v).view(b, hkv, t, g, d)
+    return out.permute(0, 2, 1, 3, 4).reshape(b, t, hq, d)

@@ -95,7 +95,8 @@ def _speculation(s: Any) -> Optional[Dict[str, Any]]:
         return None
     return {"mode": s.mode, "fallback": s.fallback or None, "drafted_tokens": s.drafted,
             "accepted_tokens": s.accepted, "acceptance_rate": round(s.acceptance_rate, 4),
-            "target_forwards": s.target_forwards, "tokens_per_target_forward": round(s.tokens_per_forward, 3)}
+            "target_forwards": s.target_forwards, "tokens_per_target_forward": round(s.tokens_per_forward, 3),
+            "backed_off_steps": s.backed_off}
 
 
 class _SingleLine:
