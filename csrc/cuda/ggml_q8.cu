@@ -60,13 +60,15 @@ KB_HD void nibbles(Step& s, const int (&w)[4]) {
     }
 }
 
-// Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the scale words y (bytes 0-3), z (4-7), w (8-11).
-KB_HD void k4_scale(uint32_t y, uint32_t z, uint32_t w, int j, float& sc, float& mn) {
-    const int sh = 8 * (j & 3);
-    const uint32_t b0 = (y >> sh) & 0xFF, b4 = (z >> sh) & 0xFF, b8 = (w >> sh) & 0xFF;
-    const bool low = j < 4;
-    sc = static_cast<float>(low ? (b0 & 63) : ((b8 & 0xF) | ((b0 >> 6) << 4)));
-    mn = static_cast<float>(low ? (b4 & 63) : ((b8 >> 4) | ((b4 >> 6) << 4)));
+// Q4_K / Q5_K: the 6-bit scales and mins of sub-blocks 2c and 2c + 1 (bytes 0 / 1 of sc and mn) from the scale
+// words y (bytes 0-3), z (4-7), w (8-11): sub-blocks 0-3 keep theirs in the low 6 bits of y's / z's bytes, 4-7 take
+// w's low / high nibbles and the top 2 bits of y's / z's bytes.
+KB_HD void k4_scale_pair(uint32_t y, uint32_t z, uint32_t w, int c, uint32_t& sc, uint32_t& mn) {
+    const int sh = 16 * (c & 1);
+    y >>= sh, z >>= sh, w >>= sh;
+    const bool low = c < 2;
+    sc = low ? (y & 0x3F3Fu) : ((w & 0x0F0Fu) | ((y >> 2) & 0x3030u));
+    mn = low ? (z & 0x3F3Fu) : (((w >> 4) & 0x0F0Fu) | ((z >> 2) & 0x3030u));
 }
 
 template <int T>
@@ -158,9 +160,10 @@ struct Loader<ggml::Q4_K> {
     static KB_HD void k_common(const uint4& hd, int j, Step& s) {
         const int c = j >> 1, h = j & 1;
         const float d = f16_lo(hd.x), dmin = f16_hi(hd.x);
-        float sc0, mn0, sc1, mn1;
-        k4_scale(hd.y, hd.z, hd.w, 2 * c, sc0, mn0);
-        k4_scale(hd.y, hd.z, hd.w, 2 * c + 1, sc1, mn1);
+        uint32_t sc, mn;
+        k4_scale_pair(hd.y, hd.z, hd.w, c, sc, mn);
+        const float sc0 = static_cast<float>(sc & 0xFF), sc1 = static_cast<float>(sc >> 8);
+        const float mn0 = static_cast<float>(mn & 0xFF), mn1 = static_cast<float>(mn >> 8);
         s.e[0] = 64 * c + 16 * h, s.e[1] = 64 * c + 32 + 16 * h;
         s.a[0] = d * sc0, s.a[1] = d * sc1;
         s.b[0] = -(dmin * mn0), s.b[1] = -(dmin * mn1);
