@@ -167,6 +167,15 @@ def test_cpu_kernel_refuses_a_type_it_does_not_know(cpu: native.CpuKernels) -> N
         cpu._call("ggml_dequantize", type=99, w=0, row_bytes=0, n=1, k=32, out=0, out_dtype=0)
 
 
+def test_ggml_kernel_setting_names_a_known_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kobold_backend.ops import cuda_kernels
+
+    assert cuda_kernels.CudaKernels(object()).ggml_kernel == cuda_kernels.DEFAULT_GGML_KERNEL
+    monkeypatch.setattr(cuda_kernels, "DEFAULT_GGML_KERNEL", "q4")
+    with pytest.raises(ValueError, match="KOBOLD_BACKEND_GGML_KERNEL must be one of classic, q8, q8-pdl, not 'q4'"):
+        cuda_kernels.CudaKernels(object())
+
+
 # ---------------------------------------------------------------------------------------------- bench file
 
 
@@ -293,7 +302,7 @@ def test_cuda_q8_gemv_wide_grid_and_unaligned_k_blocks(cuda: native.CudaKernels,
     assert_rel(cuda.ggml_matmul(x.cuda(), w8), oracle(x, w), 4e-3, "Q4_K at an 8-byte offset")
 
 
-@pytest.mark.parametrize("kernel", ["classic", "q8"])
+@pytest.mark.parametrize("kernel", ["classic", "q8", "q8-pdl"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_ggml_graph_replay_equals_eager(cuda: native.CudaKernels, kernel: str,
@@ -315,6 +324,39 @@ def test_cuda_ggml_graph_replay_equals_eager(cuda: native.CudaKernels, kernel: s
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(y, cuda.ggml_matmul(x, w)), f"{kernel} {type_name} replay {seed}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_q8_pdl_chain_equals_the_plain_launch(cuda: native.CudaKernels,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four GEMVs chained through their outputs (each quantizes the previous one's output, the programmatic
+    launch waits for that), eagerly and replayed from a CUDA graph: bit for bit the plain launches' result."""
+    types = ("Q4_K", "Q6_K", "Q8_0", "Q5_K")
+    ws = [make_weight(t, 2048, 2048, seed=20 + i, device="cuda") for i, t in enumerate(types)]
+    x = torch.randn(2, 2048, generator=torch.Generator().manual_seed(1)).half().cuda()
+
+    def chain() -> torch.Tensor:
+        y = x
+        for w in ws:
+            y = cuda.ggml_matmul(y, w) * 0.5
+        return y
+
+    monkeypatch.setattr(cuda, "ggml_kernel", "q8")
+    want = chain()
+    monkeypatch.setattr(cuda, "ggml_kernel", "q8-pdl")
+    assert torch.equal(chain(), want)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("kernel", ["classic", "q8"])

@@ -8,7 +8,7 @@
 # gptq gguf exl2 exllamav2 kv spec act) runs only those. Optional sections, run only when named in SECTIONS:
 #   exl2logits  exllamav2's causal logits for tests/data/exl2 (tools/exl2_reference_logits.py; results.tgz holds
 #               reference-logits-causal.safetensors, to be committed under tests/data/exl2/)
-#   ggml        GGML block-kernel timings, classic and q8 GEMV (tools/ggml_timing.py)
+#   ggml        GGML block-kernel timings, classic, q8 and q8-pdl GEMV (tools/ggml_timing.py)
 #   kvtiming    decode attention and decode steps per cache dtype (tools/kv_quant_timing.py)
 #   ext         the doctor report and the kernel timing table (tools/ext_timing.py)
 #   compare     `bench --preset llama2-7b --compare` (this engine beside exllamav2 and transformers)
@@ -111,6 +111,7 @@ want gptq && bench_model gptq-7b /tmp/gptq-7b
 want gptq && KOBOLD_BACKEND_GEMV_RULE=classic bench_model gptq-7b-classic /tmp/gptq-7b
 want gguf && bench_model gguf-7b /tmp/q4km-7b.gguf
 want gguf && KOBOLD_BACKEND_GGML_KERNEL=q8 bench_model gguf-7b-q8 /tmp/q4km-7b.gguf
+want gguf && KOBOLD_BACKEND_GGML_KERNEL=q8-pdl bench_model gguf-7b-q8-pdl /tmp/q4km-7b.gguf
 want exl2 && bench_model exl2-7b /tmp/exl2-7b
 want exllamav2 && tail -2 "$OUT/exllamav2_build.log"
 want exllamav2 && exllamav2_on exl2-7b /tmp/exl2-7b

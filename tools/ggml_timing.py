@@ -1,5 +1,5 @@
-"""Times the CUDA GGML GEMVs, classic (csrc/cuda/ggml.cu) and q8 (csrc/cuda/ggml_q8.cu), on Llama-2-7B shapes
-beside the GPTQ GEMV of the same shapes.
+"""Times the CUDA GGML GEMVs, classic (csrc/cuda/ggml.cu), q8 and q8-pdl (csrc/cuda/ggml_q8.cu), on Llama-2-7B
+shapes beside the GPTQ GEMV of the same shapes.
 
 Per kernel: microseconds per call from a CUDA graph (the GPU time; the q8 kernel's time includes its activation
 quantization launch), the bandwidth that achieves over the weight bytes and that as a share of the H200's
@@ -41,7 +41,7 @@ def row(name: str, m: int, k: int, n: int, us: float, nbytes: int) -> str:
 def main() -> None:
     kern = native.cuda_kernels()
     assert kern is not None and hasattr(kern.module, "ggml_gemv"), "build the CUDA module with the GGML kernels"
-    kernels = ["classic"] + (["q8"] if hasattr(kern.module, "ggml_gemv_q8") else [])
+    kernels = ["classic"] + (["q8", "q8-pdl"] if hasattr(kern.module, "ggml_gemv_q8") else [])
     types = ("Q4_K", "Q6_K") if "--quick" in sys.argv else ("Q4_K", "Q6_K", "Q5_K", "Q8_0", "Q4_0")
     for k, n, m in [(4096, 4096, 1), (4096, 11008, 1), (11008, 4096, 1), (4096, 32000, 1), (4096, 11008, 4)]:
         x = torch.randn(m, k, device="cuda").half()

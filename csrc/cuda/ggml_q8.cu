@@ -7,6 +7,9 @@
 // fp32 as ggml forms them: d * sc and -dmin * m for the K types, d and -8 d for Q4_0, ...). With an activation
 // group (d_x, s_x = d_x * sum q_x) a half contributes a * d_x * dp4a(q, q_x) + b * s_x. `Step<T>::load` is the only
 // per-type code. Q4_K and Q5_K blocks (16-byte aligned) are read with 16-byte loads; the others with 2-byte loads.
+// With `pdl` (sm_90+) the GEMV is launched with programmatic dependent launch behind the quantization kernel: each
+// lane first asks L2 for the start of its row (the weights are never written by a kernel), then waits for the
+// quantization's writes (`griddepcontrol.wait`), so the two launches overlap instead of running back to back.
 #include "ggml_blocks.h"
 #include "kb_cuda.cuh"
 #include "ops_cuda.h"
@@ -227,6 +230,9 @@ struct Loader<ggml::Q6_K> {
 // x fp16 [M, K] (row stride x_stride) -> xq int8 [M, K], xds float2 [M, K / 16] = (d, d * sum q) per group.
 __global__ void quantize_q8_kernel(const half* __restrict__ x, int64_t x_stride, int m, int k,
                                    int8_t* __restrict__ xq, float2* __restrict__ xds) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // a programmatic GEMV may start prefetching
+#endif
     const int groups = k / kGroup;
     const int g = blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= m * groups) return;
@@ -275,6 +281,13 @@ __global__ void __launch_bounds__(kThreads) ggml_gemv_q8_kernel(const uint8_t* _
     if (row >= n) return;
     const uint8_t* __restrict__ wr = w + row * row_bytes;
     const int steps = k / B::elements * L::steps, groups = k / kGroup;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // the row's first 5 KiB (a whole 7B Q4_K row), one 32-byte sector per lane per KiB; then x is safe to read
+    // (griddepcontrol.wait returns at once when the launch was not programmatic)
+    for (int64_t off = 32 * lane; off < row_bytes && off < 5120; off += 1024)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + off));
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     float acc[M];
 #pragma unroll
     for (int i = 0; i < M; ++i) acc[i] = 0.f;
@@ -316,12 +329,29 @@ struct GemvQ8Launch {
     const GgmlGemvArgs& a;
     const int8_t* xq;
     const float2* xds;
+    bool pdl;
     template <int T, int M>
     void launch() const {
         const unsigned int blocks = static_cast<unsigned int>((a.n + kWarps - 1) / kWarps);
-        ggml_gemv_q8_kernel<T, M><<<blocks, kThreads, 0, as_stream(a.stream)>>>(
-            static_cast<const uint8_t*>(a.w), a.row_bytes, static_cast<int>(a.n), static_cast<int>(a.k), xq, xds,
-            static_cast<const half*>(a.bias), static_cast<half*>(a.out));
+        const uint8_t* w = static_cast<const uint8_t*>(a.w);
+        const int n = static_cast<int>(a.n), k = static_cast<int>(a.k);
+        const half* bias = static_cast<const half*>(a.bias);
+        half* out = static_cast<half*>(a.out);
+        if (!pdl) {
+            ggml_gemv_q8_kernel<T, M><<<blocks, kThreads, 0, as_stream(a.stream)>>>(w, a.row_bytes, n, k, xq, xds,
+                                                                                    bias, out);
+            return;
+        }
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(blocks);
+        cfg.blockDim = dim3(kThreads);
+        cfg.stream = as_stream(a.stream);
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        KB_CUDA_CHECK(cudaLaunchKernelEx(&cfg, ggml_gemv_q8_kernel<T, M>, w, a.row_bytes, n, k, xq, xds, bias, out));
     }
     template <int T>
     void run() const {
@@ -336,7 +366,7 @@ struct GemvQ8Launch {
 
 }  // namespace
 
-void ggml_gemv_q8(const GgmlGemvArgs& a, void* scratch) {
+void ggml_gemv_q8(const GgmlGemvArgs& a, void* scratch, bool pdl) {
     require(a.m >= 1 && a.m <= 4, "ggml_gemv_q8: rows must be 1..4");
     const bool k_type = a.type == ggml::Q4_K || a.type == ggml::Q5_K || a.type == ggml::Q6_K;
     require(a.k > 0 && a.k % (k_type ? 256 : 32) == 0 && a.n > 0 && a.n < (1LL << 31) && a.k < (1LL << 26),
@@ -347,6 +377,11 @@ void ggml_gemv_q8(const GgmlGemvArgs& a, void* scratch) {
     require(aligned(a.x, 16) && a.x_stride % 8 == 0 && a.x_stride >= a.k, "ggml_gemv_q8: x rows must be 16-byte aligned");
     require(aligned(scratch, 16), "ggml_gemv_q8: scratch must be 16-byte aligned");
     use_device(a.device);
+    if (pdl) {  // programmatic dependent launch needs sm_90; elsewhere the plain launch
+        int major = 0;
+        KB_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a.device));
+        pdl = major >= 9;
+    }
     // scratch: xds float2 [M, K / 16] (M * K / 2 bytes, a multiple of 16), then xq int8 [M, K]
     float2* xds = static_cast<float2*>(scratch);
     int8_t* xq = static_cast<int8_t*>(scratch) + a.m * a.k / 2;
@@ -354,7 +389,7 @@ void ggml_gemv_q8(const GgmlGemvArgs& a, void* scratch) {
     quantize_q8_kernel<<<static_cast<unsigned int>((groups + 127) / 128), 128, 0, as_stream(a.stream)>>>(
         static_cast<const half*>(a.x), a.x_stride, static_cast<int>(a.m), static_cast<int>(a.k), xq, xds);
     KB_CHECK_LAUNCH();
-    require(ggml::dispatch(a.type, GemvQ8Launch{a, xq, xds}),
+    require(ggml::dispatch(a.type, GemvQ8Launch{a, xq, xds, pdl}),
             "ggml_gemv_q8: unsupported block type " + std::to_string(a.type));
     KB_CHECK_LAUNCH();
 }

@@ -30,9 +30,10 @@ WS_FLOATS = 1 << 22
 WS_COUNTERS = 1 << 16
 EXL2_GEMV_MAX_ROWS = 4  # rows the EXL2 GEMV takes (csrc/cuda/exl2.cu); more go through dequantize + matmul
 GGML_GEMV_MAX_ROWS = 4  # rows the GGML GEMV takes on CUDA (csrc/cuda/ggml.cu: fewer instances, smaller wheels)
-# The GGML GEMV: "classic" (csrc/cuda/ggml.cu, fp16 activations) or "q8" (csrc/cuda/ggml_q8.cu, int8 activations
-# and dp4a); KOBOLD_BACKEND_GGML_KERNEL picks one per process, CudaKernels.ggml_kernel per instance.
-GGML_KERNELS = ("classic", "q8")
+# The GGML GEMV: "classic" (csrc/cuda/ggml.cu, fp16 activations), "q8" (csrc/cuda/ggml_q8.cu, int8 activations
+# and dp4a) or "q8-pdl" (q8 with the GEMV launched programmatically behind its activation quantization, sm_90+);
+# KOBOLD_BACKEND_GGML_KERNEL picks one per process, CudaKernels.ggml_kernel per instance.
+GGML_KERNELS = ("classic", "q8", "q8-pdl")
 DEFAULT_GGML_KERNEL = os.environ.get("KOBOLD_BACKEND_GGML_KERNEL", "classic")
 
 # gptq_gemv's `variant`: chosen by shape, or one kernel forced (the whole-K ones only where their shape check
@@ -61,8 +62,8 @@ CUDA_SIGNATURES: Dict[str, Tuple[str, ...]] = {
                          "pos_dev", "scale", "out", "ws", "device", "stream"),
     "silu_mul": ("gate", "up", "n", "out", "device", "stream"),
     "ggml_gemv": ("type", "w", "row_bytes", "n", "k", "x", "x_stride", "rows", "bias", "out", "device", "stream"),
-    "ggml_gemv_q8": ("type", "w", "row_bytes", "n", "k", "x", "x_stride", "rows", "bias", "out", "scratch", "device",
-                     "stream"),
+    "ggml_gemv_q8": ("type", "w", "row_bytes", "n", "k", "x", "x_stride", "rows", "bias", "out", "scratch", "pdl",
+                     "device", "stream"),
     "ggml_dequantize": ("type", "w", "row_bytes", "n", "k", "out", "device", "stream"),
     "kvq_decode_attention": ("q", "q_f16", "out_f16", "q_sb", "q_sh", "b", "hq", "hkv", "d", "kd", "ks", "vd", "vs",
                              "kds", "kss", "vds", "vss", "k_bits", "v_bits", "seq_len", "pos_dev", "scale", "window",
@@ -378,10 +379,11 @@ class CudaKernels:
         args = dict(type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(), row_bytes=w.data.shape[1],
                     n=w.out_features, k=w.in_features, x=x2.data_ptr(), x_stride=x2.stride(0), rows=m,
                     bias=0 if bias is None else bias.data_ptr(), out=y.data_ptr())
-        if self.ggml_kernel == "q8" and hasattr(self.module, "ggml_gemv_q8") and _q8_layout_ok(w):
+        if self.ggml_kernel != "classic" and hasattr(self.module, "ggml_gemv_q8") and _q8_layout_ok(w):
             # int8 activations [M, K] and their (scale, scaled sum) per 16: M * K * 3 / 2 bytes
             scratch = torch.empty(m * w.in_features * 3 // 2, dtype=torch.uint8, device=x.device)
-            self._call("ggml_gemv_q8", x.device, scratch=scratch.data_ptr(), **args)
+            self._call("ggml_gemv_q8", x.device, scratch=scratch.data_ptr(), pdl=self.ggml_kernel == "q8-pdl",
+                       **args)
         else:
             self._call("ggml_gemv", x.device, **args)
         return y
