@@ -93,16 +93,21 @@ grep -v -i warn "$OUT/kv_timing.txt" | tail -14; }
 
 want_any gptq gguf exl2 exllamav2 kv spec act base && { section "write 7B checkpoints"
 python3 - <<'EOF' > "$OUT/write.log" 2>&1; tail -3 "$OUT/write.log"; }
-import time
+import os, time
 from pathlib import Path
 from kobold_backend.bench.checkpoint import PRESETS, write_synthetic_gptq
 from kobold_backend.bench.exl2_checkpoint import write_synthetic_exl2
 from kobold_backend.bench.gguf_checkpoint import write_synthetic_gguf
 shape = PRESETS["llama2-7b"]
-for name, write in (("gptq", lambda: write_synthetic_gptq(Path("/tmp/gptq-7b"), shape, max_position_embeddings=32768)),
-                    ("gguf", lambda: write_synthetic_gguf(Path("/tmp/q4km-7b.gguf"), shape)),
-                    ("exl2", lambda: write_synthetic_exl2(Path("/tmp/exl2-7b"), shape)),
-                    ("gptq act-order", lambda: write_synthetic_gptq(Path("/tmp/gptq-7b-act"), shape, act_order=True))):
+sections = os.environ.get("SECTIONS", "").split()  # only the checkpoints the named sections bench
+for name, users, write in (
+        ("gptq", "gptq exllamav2 kv spec base",
+         lambda: write_synthetic_gptq(Path("/tmp/gptq-7b"), shape, max_position_embeddings=32768)),
+        ("gguf", "gguf", lambda: write_synthetic_gguf(Path("/tmp/q4km-7b.gguf"), shape)),
+        ("exl2", "exl2 exllamav2", lambda: write_synthetic_exl2(Path("/tmp/exl2-7b"), shape)),
+        ("gptq act-order", "act", lambda: write_synthetic_gptq(Path("/tmp/gptq-7b-act"), shape, act_order=True))):
+    if sections and not set(users.split()) & set(sections):
+        continue
     t = time.time(); write(); print(f"{name} written in {time.time() - t:.1f} s", flush=True)
 EOF
 

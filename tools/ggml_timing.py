@@ -11,7 +11,7 @@ module: `PYTHONPATH=. python tools/ggml_timing.py [--quick]` (--quick: Q4_K and 
 from __future__ import annotations
 
 import sys
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -33,7 +33,9 @@ def ggml_weight(type_name: str, k: int, n: int, seed: int) -> GGMLWeight:
     return GGMLWeight(data, type_name, k, n)
 
 
-def row(name: str, m: int, k: int, n: int, us: float, nbytes: int) -> str:
+def row(name: str, m: int, k: int, n: int, us: Optional[float], nbytes: int) -> str:
+    if us is None:
+        return f"{name:<22} M={m} {k:5d}x{n:<5d} not timed (graph capture failed)"
     gbps = nbytes / us / 1e3
     return f"{name:<22} M={m} {k:5d}x{n:<5d} {us:8.1f} us {gbps:6.0f} GB/s {100 * gbps / (COPY_TBPS * 1e3):4.0f}% copy"
 
@@ -66,8 +68,7 @@ def main() -> None:
         print(row("gptq_gemv g128", m, k, n, time_graph(gptq, len(gs) * 2), gptq_bytes(g0)), flush=True)
         del gs
     w = ggml_weight("Q4_K", 4096, 11008, 0)
-    us = time_graph(lambda i: kern.ggml_dequantize(w), 20)
-    print(f"ggml_dequantize Q4_K 4096x11008 -> fp16: {us:8.1f} us")
+    print(row("ggml_dequantize Q4_K", 1, 4096, 11008, time_graph(lambda i: kern.ggml_dequantize(w), 20), w.nbytes))
 
 
 if __name__ == "__main__":
