@@ -1,15 +1,17 @@
 // The integer GGML GEMV for 1..4 fp16 rows: the activations are quantized once per call to int8 in groups of 16
-// (scale d = amax / 127, q = rint(x / d), and d * sum(q) kept beside d), then one templated body dots the weight
-// quants, as the file stores them, with those int8 values through __dp4a and scales the integer sums in fp32.
+// (scale d = amax / 127, q = rint(x * (1 / d)) in fp32, and d * sum(q) kept beside d), then one templated body
+// dots the weight quants, as the file stores them, with those int8 values through __dp4a and scales the integer
+// sums in fp32.
 //
 // Every block type is read in steps of 32 weights: a step is two halves of 16 weights, each half four int32 words
 // of byte-sized quants q (unsigned nibbles, 5/6-bit values or int8) and an affine map w = a * q + b (a and b in
 // fp32 as ggml forms them: d * sc and -dmin * m for the K types, d and -8 d for Q4_0, ...). With an activation
-// group (d_x, s_x = d_x * sum q_x) a half contributes a * d_x * dp4a(q, q_x) + b * s_x. `Step<T>::load` is the only
-// per-type code. Q4_K and Q5_K blocks (16-byte aligned) are read with 16-byte loads; the others with 2-byte loads.
-// With `pdl` (sm_90+) the GEMV is launched with programmatic dependent launch behind the quantization kernel: each
-// lane first asks L2 for the start of its row (the weights are never written by a kernel), then waits for the
-// quantization's writes (`griddepcontrol.wait`), so the two launches overlap instead of running back to back.
+// group (d_x, s_x = d_x * sum q_x) a half contributes a * d_x * dp4a(q, q_x) + b * s_x. `Loader<T>::load` is the
+// only per-type code. Q4_K and Q5_K blocks (16-byte aligned) are read with 16-byte loads; the others with 2-byte
+// loads. With `pdl` (sm_90+) the GEMV is launched with programmatic dependent launch behind the quantization
+// kernel: each lane first asks L2 for the start of its row (the weights are never written by a kernel), then waits
+// for the quantization's writes (`griddepcontrol.wait`), so the two launches overlap instead of running back to
+// back.
 #include "ggml_blocks.h"
 #include "kb_cuda.cuh"
 #include "ops_cuda.h"
@@ -267,7 +269,8 @@ __global__ void quantize_q8_kernel(const half* __restrict__ x, int64_t x_stride,
     xds[g] = make_float2(d, d * static_cast<float>(sum));
 }
 
-// One warp per output feature, all M rows; lane l takes steps l, l + 32, ... of the row (S steps per block).
+// One warp per output feature, all M rows; lane l takes steps l, l + 32, ... of the row (Loader<T>::steps
+// per block).
 template <int T, int M>
 __global__ void __launch_bounds__(kThreads) ggml_gemv_q8_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
                                                                 int n, int k, const int8_t* __restrict__ xq,
@@ -374,7 +377,8 @@ void ggml_gemv_q8(const GgmlGemvArgs& a, void* scratch, bool pdl) {
     const std::uintptr_t align = (a.type == ggml::Q4_K || a.type == ggml::Q5_K) ? 16 : 2;
     require(aligned(a.w, align) && a.row_bytes % static_cast<int64_t>(align) == 0,
             "ggml_gemv_q8: weight rows are not aligned for their block type");
-    require(aligned(a.x, 16) && a.x_stride % 8 == 0 && a.x_stride >= a.k, "ggml_gemv_q8: x rows must be 16-byte aligned");
+    require(aligned(a.x, 16) && a.x_stride % 8 == 0 && a.x_stride >= a.k,
+            "ggml_gemv_q8: x rows must be 16-byte aligned");
     require(aligned(scratch, 16), "ggml_gemv_q8: scratch must be 16-byte aligned");
     use_device(a.device);
     if (pdl) {  // programmatic dependent launch needs sm_90; elsewhere the plain launch
