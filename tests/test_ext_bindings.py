@@ -112,6 +112,8 @@ def test_cuda_wrappers_name_every_argument_of_their_kernel(monkeypatch: pytest.M
     k.exl2_dequantize(ew)
     gw = GGMLWeight(torch.zeros(32, row_bytes("Q8_0", 64), dtype=torch.uint8), "Q8_0", 64, 32)
     k.ggml_matmul(x, gw)
+    k.ggml_kernel = "q8-pdl"
+    k.ggml_matmul(x, gw)
     k.ggml_dequantize(gw)
     kq = QuantizedKV.empty((1, 2, 16, 32), 4, half, "cpu")
     vq = QuantizedKV.empty((1, 2, 16, 32), 8, half, "cpu")
@@ -121,6 +123,8 @@ def test_cuda_wrappers_name_every_argument_of_their_kernel(monkeypatch: pytest.M
                      random((1, 1, 2, 32), half, seed=7), cos32, sin32, 0, torch.tensor([3]), kq, vq)
     assert sorted(module.calls) == sorted(CUDA_SIGNATURES)
     c = module.calls
+    q8 = c["ggml_gemv_q8"]
+    assert (q8["rows"], q8["k"], q8["n"], q8["pdl"], q8["type"]) == (2, 64, 32, True, 8) and q8["scratch"] != 0
     assert (c["rms_norm"]["rows"], c["rms_norm"]["d"], c["rms_norm"]["eps"]) == (2, 64, pytest.approx(1e-5))
     assert c["rms_norm"]["residual"] == 0 and c["rms_norm"]["stream"] == 77
     mma = c["gptq_mma"]

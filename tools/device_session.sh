@@ -8,7 +8,7 @@
 # gptq gguf exl2 exllamav2 kv spec act) runs only those. Optional sections, run only when named in SECTIONS:
 #   exl2logits  exllamav2's causal logits for tests/data/exl2 (tools/exl2_reference_logits.py; results.tgz holds
 #               reference-logits-causal.safetensors, to be committed under tests/data/exl2/)
-#   ggml        GGML block-kernel timings (tools/ggml_timing.py)
+#   ggml        GGML block-kernel timings, classic, q8 and q8-pdl GEMV (tools/ggml_timing.py)
 #   mma         the tensor-core GPTQ product against dequantize + cuBLAS for 9..128 rows (tools/mma_timing.py)
 #   kvtiming    decode attention and decode steps per cache dtype (tools/kv_quant_timing.py)
 #   ext         the doctor report and the kernel timing table (tools/ext_timing.py)
@@ -86,7 +86,7 @@ python3 -c "from kobold_backend.doctor import doctor_report; print(doctor_report
 timeout 60 python3 tools/ext_timing.py > "$OUT/ext_timing.txt" 2>&1; tail -20 "$OUT/ext_timing.txt"; }
 
 named ggml && { section "GGML kernel timings"
-timeout 60 python3 tools/ggml_timing.py > "$OUT/ggml_timing.txt" 2>&1; tail -30 "$OUT/ggml_timing.txt"; }
+timeout 150 python3 tools/ggml_timing.py > "$OUT/ggml_timing.txt" 2>&1; tail -60 "$OUT/ggml_timing.txt"; }
 
 named mma && { section "tensor-core GPTQ product timings"
 timeout 90 python3 tools/mma_timing.py > "$OUT/mma_timing.txt" 2>&1; tail -22 "$OUT/mma_timing.txt"; }
@@ -97,16 +97,21 @@ grep -v -i warn "$OUT/kv_timing.txt" | tail -14; }
 
 want_any gptq gguf exl2 exllamav2 kv spec act base && { section "write 7B checkpoints"
 python3 - <<'EOF' > "$OUT/write.log" 2>&1; tail -3 "$OUT/write.log"; }
-import time
+import os, time
 from pathlib import Path
 from kobold_backend.bench.checkpoint import PRESETS, write_synthetic_gptq
 from kobold_backend.bench.exl2_checkpoint import write_synthetic_exl2
 from kobold_backend.bench.gguf_checkpoint import write_synthetic_gguf
 shape = PRESETS["llama2-7b"]
-for name, write in (("gptq", lambda: write_synthetic_gptq(Path("/tmp/gptq-7b"), shape, max_position_embeddings=32768)),
-                    ("gguf", lambda: write_synthetic_gguf(Path("/tmp/q4km-7b.gguf"), shape)),
-                    ("exl2", lambda: write_synthetic_exl2(Path("/tmp/exl2-7b"), shape)),
-                    ("gptq act-order", lambda: write_synthetic_gptq(Path("/tmp/gptq-7b-act"), shape, act_order=True))):
+sections = os.environ.get("SECTIONS", "").split()  # only the checkpoints the named sections bench
+for name, users, write in (
+        ("gptq", "gptq exllamav2 kv spec base",
+         lambda: write_synthetic_gptq(Path("/tmp/gptq-7b"), shape, max_position_embeddings=32768)),
+        ("gguf", "gguf", lambda: write_synthetic_gguf(Path("/tmp/q4km-7b.gguf"), shape)),
+        ("exl2", "exl2 exllamav2", lambda: write_synthetic_exl2(Path("/tmp/exl2-7b"), shape)),
+        ("gptq act-order", "act", lambda: write_synthetic_gptq(Path("/tmp/gptq-7b-act"), shape, act_order=True))):
+    if sections and not set(users.split()) & set(sections):
+        continue
     t = time.time(); write(); print(f"{name} written in {time.time() - t:.1f} s", flush=True)
 EOF
 
@@ -114,6 +119,8 @@ section "benches"
 want gptq && bench_model gptq-7b /tmp/gptq-7b
 want gptq && KOBOLD_BACKEND_GEMV_RULE=classic bench_model gptq-7b-classic /tmp/gptq-7b
 want gguf && bench_model gguf-7b /tmp/q4km-7b.gguf
+want gguf && KOBOLD_BACKEND_GGML_KERNEL=q8 bench_model gguf-7b-q8 /tmp/q4km-7b.gguf
+want gguf && KOBOLD_BACKEND_GGML_KERNEL=q8-pdl bench_model gguf-7b-q8-pdl /tmp/q4km-7b.gguf
 want exl2 && bench_model exl2-7b /tmp/exl2-7b
 want exllamav2 && tail -2 "$OUT/exllamav2_build.log"
 want exllamav2 && exllamav2_on exl2-7b /tmp/exl2-7b

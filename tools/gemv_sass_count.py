@@ -6,6 +6,9 @@ prints the loop (a backward branch) with the most `LDG.E.128` weight loads: its 
 those loads, and its most common opcodes. The lean kernel's loop also holds a bounds-checked copy of the loads
 that only the last batch runs; so that the figure is the steady-state path, gptq_lean.cu is compiled from a
 copy whose check `r0 + kBatch <= rows` is replaced by `true` (the path every batch but the last takes).
+The GGML GEMVs (csrc/cuda/ggml.cu: eight weights per loop step, ggml_q8.cu: 32) are compiled from copies whose
+main loop is not unrolled (`#pragma unroll 1`), so one loop iteration is one step; their figure is instructions
+per 32 weights and per 16 bytes of that type's blocks (M = 1 activation row; loop overhead included).
 Usage: `python tools/gemv_sass_count.py --nvcc /usr/local/cuda-13.0/bin/nvcc --cuobjdump PATH [--arch 90]`.
 """
 
@@ -21,7 +24,13 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("gptq.cu", "gptq_wide.cu", "gptq_lean.cu")
+SOURCES = ("gptq.cu", "gptq_wide.cu", "gptq_lean.cu", "ggml.cu", "ggml_q8.cu")
+# GGML sources: the main loop's unroll pragma -> weights per (not unrolled) loop step.
+GGML_LOOPS = {"ggml.cu": ("#pragma unroll 4\n    for (int f = lane", 8),
+              "ggml_q8.cu": ("#pragma unroll 4\n    for (int st = lane", 32)}
+# ggml type id -> (name, block bytes per 32 weights).
+GGML_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 6: ("Q5_0", 22), 7: ("Q5_1", 24), 8: ("Q8_0", 34),
+              12: ("Q4_K", 18), 13: ("Q5_K", 22), 14: ("Q6_K", 26.25)}
 TAIL_CHECK = "if (r0 + kBatch <= rows) {"
 Instruction = Tuple[int, str]
 
@@ -79,13 +88,29 @@ def main() -> int:
                     return 1
                 source = Path(tmp) / name
                 source.write_text(text.replace(TAIL_CHECK, "if (true) {"))
+            if name in GGML_LOOPS:
+                text = source.read_text()
+                pragma = GGML_LOOPS[name][0]
+                if pragma not in text:
+                    print(f"{name}: `{pragma}` not found; update GGML_LOOPS", file=sys.stderr)
+                    return 1
+                source = Path(tmp) / name
+                source.write_text(text.replace(pragma, pragma.replace("unroll 4", "unroll 1")))
             subprocess.run([args.nvcc, "-O3", "-std=c++17", f"-arch=sm_{args.arch}", "-cubin", "-I",
                             str(src / "include"), "-I", str(src / "cuda"), "-o", str(cubin), str(source)], check=True)
             sass = subprocess.run([args.cuobjdump, "-sass", str(cubin)], check=True, capture_output=True,
                                   text=True).stdout
             for kernel, body in functions(sass).items():
                 count, loads, top = main_loop(body)
-                if loads:
+                ggml_kernel = re.search(r"(ggml_gemv\w*kernel)ILi(\d+)ELi(\d+)E", kernel)
+                if loads and ggml_kernel:
+                    if ggml_kernel.group(3) != "1":
+                        continue
+                    type_name, bytes32 = GGML_TYPES[int(ggml_kernel.group(2))]
+                    per32 = count * 32 / GGML_LOOPS[name][1]
+                    print(f"{name:<13} {ggml_kernel.group(1)}<{type_name}, M=1>  {per32:6.1f} instructions / 32 weights"
+                          f" = {per32 * 16 / bytes32:6.1f} / 16 weight bytes  {', '.join(f'{o} {n}' for o, n in top)}")
+                elif loads:
                     short = re.search(r"(gemv\w*kernel)I((?:Li\d+E)+)", kernel)
                     label = kernel
                     if short:

@@ -197,6 +197,15 @@ PYBIND11_MODULE(_ext_cuda, m) {
         kc::ggml_gemv(a);
     });
 
+    m.def("ggml_gemv_q8", [](int type, std::uintptr_t w, int64_t row_bytes, int64_t n, int64_t k, std::uintptr_t x,
+                             int64_t x_stride, int64_t rows, std::uintptr_t bias, std::uintptr_t out,
+                             std::uintptr_t scratch, bool pdl, int device, std::uintptr_t stream) {
+        kc::GgmlGemvArgs a{type, ptr<const void>(w), row_bytes, n, k, ptr<const void>(x), x_stride, rows,
+                           ptr<const void>(bias), ptr<void>(out), device, stream};
+        py::gil_scoped_release release;
+        kc::ggml_gemv_q8(a, ptr<void>(scratch), pdl);
+    });
+
     m.def(
         "ggml_dequantize",
         [](int type, std::uintptr_t w, int64_t row_bytes, int64_t n, int64_t k, std::uintptr_t out, int device,

@@ -172,6 +172,9 @@ struct GgmlGemvArgs {
 };
 
 void ggml_gemv(const GgmlGemvArgs& a);  // M in 1..4, K a multiple of the block
+// The integer GEMV (ggml_q8.cu): x quantized to int8 into scratch (M * K * 3 / 2 bytes, 16-byte aligned) first;
+// pdl: the GEMV launched programmatically behind that quantization (sm_90+).
+void ggml_gemv_q8(const GgmlGemvArgs& a, void* scratch, bool pdl);  // M in 1..4
 
 // out fp16 [N, K] = dequant(w)
 void ggml_dequantize(int type, const void* w, int64_t row_bytes, int64_t n, int64_t k, void* out, int device,

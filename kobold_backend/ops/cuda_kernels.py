@@ -33,6 +33,11 @@ GGML_GEMV_MAX_ROWS = 4  # rows the GGML GEMV takes on CUDA (csrc/cuda/ggml.cu: f
 # Rows the tensor-core GPTQ product takes (csrc/cuda/gptq_mma.cu) past the GEMV's: a chat turn's new tokens read the
 # packed weights once; longer prompt chunks dequantize once for cuBLAS.
 MMA_MAX_ROWS = 128
+# The GGML GEMV: "classic" (csrc/cuda/ggml.cu, fp16 activations), "q8" (csrc/cuda/ggml_q8.cu, int8 activations
+# and dp4a) or "q8-pdl" (q8 with the GEMV launched programmatically behind its activation quantization, sm_90+);
+# KOBOLD_BACKEND_GGML_KERNEL picks one per process, CudaKernels.ggml_kernel per instance.
+GGML_KERNELS = ("classic", "q8", "q8-pdl")
+DEFAULT_GGML_KERNEL = os.environ.get("KOBOLD_BACKEND_GGML_KERNEL", "classic")
 
 # gptq_gemv's `variant`: chosen by shape, or one kernel forced (the whole-K ones only where their shape check
 # passes; the 512-thread one takes 1 or 2 rows; the lean one, csrc/cuda/gptq_lean.cu, the 256-thread one's shapes,
@@ -62,6 +67,8 @@ CUDA_SIGNATURES: Dict[str, Tuple[str, ...]] = {
                          "pos_dev", "scale", "out", "ws", "device", "stream"),
     "silu_mul": ("gate", "up", "n", "out", "device", "stream"),
     "ggml_gemv": ("type", "w", "row_bytes", "n", "k", "x", "x_stride", "rows", "bias", "out", "device", "stream"),
+    "ggml_gemv_q8": ("type", "w", "row_bytes", "n", "k", "x", "x_stride", "rows", "bias", "out", "scratch", "pdl",
+                     "device", "stream"),
     "ggml_dequantize": ("type", "w", "row_bytes", "n", "k", "out", "device", "stream"),
     "kvq_decode_attention": ("q", "q_f16", "out_f16", "q_sb", "q_sh", "b", "hq", "hkv", "d", "kd", "ks", "vd", "vs",
                              "kds", "kss", "vds", "vss", "k_bits", "v_bits", "seq_len", "pos_dev", "scale", "window",
@@ -81,6 +88,10 @@ class CudaKernels:
         self._sms: Dict[int, int] = {}
         # torch's own fast accessor of the current cudaStream_t (what its compiler uses), if this torch has it.
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if DEFAULT_GGML_KERNEL not in GGML_KERNELS:
+            raise ValueError(f"KOBOLD_BACKEND_GGML_KERNEL must be one of {', '.join(GGML_KERNELS)}, "
+                             f"not {DEFAULT_GGML_KERNEL!r}")
+        self.ggml_kernel = DEFAULT_GGML_KERNEL
 
     def _stream(self, device: torch.device) -> int:
         if self._raw_stream is not None:
@@ -401,10 +412,22 @@ class CudaKernels:
         x2 = x if x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else x.contiguous()
         bias = None if w.bias is None else w.bias.contiguous()
         y = torch.empty((m, w.out_features), dtype=torch.float16, device=x.device)
-        self._call("ggml_gemv", x.device, type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(),
-                   row_bytes=w.data.shape[1], n=w.out_features, k=w.in_features, x=x2.data_ptr(),
-                   x_stride=x2.stride(0), rows=m, bias=0 if bias is None else bias.data_ptr(), out=y.data_ptr())
+        args = dict(type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(), row_bytes=w.data.shape[1],
+                    n=w.out_features, k=w.in_features, x=x2.data_ptr(), x_stride=x2.stride(0), rows=m,
+                    bias=0 if bias is None else bias.data_ptr(), out=y.data_ptr())
+        if self.ggml_kernel != "classic" and hasattr(self.module, "ggml_gemv_q8") and _q8_layout_ok(w):
+            # int8 activations [M, K] and their (scale, scaled sum) per 16: M * K * 3 / 2 bytes
+            scratch = torch.empty(m * w.in_features * 3 // 2, dtype=torch.uint8, device=x.device)
+            self._call("ggml_gemv_q8", x.device, scratch=scratch.data_ptr(), pdl=self.ggml_kernel == "q8-pdl",
+                       **args)
+        else:
+            self._call("ggml_gemv", x.device, **args)
         return y
+
+
+def _q8_layout_ok(w: ggml.GGMLWeight) -> bool:
+    """The integer GEMV's 16-byte loads of Q4_K/Q5_K blocks need 16-byte aligned rows (144 / 176-byte blocks)."""
+    return w.type_name not in ("Q4_K", "Q5_K") or w.data.data_ptr() % 16 == 0
 
 
 def _attention_layout_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
