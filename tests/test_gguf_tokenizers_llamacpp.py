@@ -288,6 +288,40 @@ def test_bert_wordpiece_matches_transformers(tmp_path: Path) -> None:
         assert tok.encode(text, add_bos=True, add_eos=True) == hf.encode(text), text
 
 
+# --- UGM (tokenizer.ggml.model = "t5") -------------------------------------------------------------------------------
+
+def test_t5_unigram_matches_sentencepiece(tmp_path: Path) -> None:
+    """A unigram model trained here with T5's normalization (nmt_nfkc: a precompiled map, extra whitespace
+    removed): llama.cpp's UGM tokenizer copies sentencepiece's Viterbi search and normalizer, and adds EOS."""
+    import io
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus_lines()[:4000]), model_writer=buf,
+                                   model_type="unigram", vocab_size=800, pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+                                   num_threads=1, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(buf.getvalue())
+    assert proto.normalizer_spec.precompiled_charsmap and proto.normalizer_spec.remove_extra_whitespaces
+
+    def fill(writer: gguf.GGUFWriter) -> None:
+        writer.add_tokenizer_model("t5")
+        writer.add_token_list([p.piece for p in proto.pieces])
+        writer.add_token_scores([p.score for p in proto.pieces])
+        writer.add_token_types([int(p.type) for p in proto.pieces])
+        writer.add_add_space_prefix(proto.normalizer_spec.add_dummy_prefix)
+        writer.add_remove_extra_whitespaces(proto.normalizer_spec.remove_extra_whitespaces)
+        writer.add_precompiled_charsmap(proto.normalizer_spec.precompiled_charsmap)
+        writer.add_eos_token_id(1)
+        writer.add_unk_token_id(2)
+        writer.add_pad_token_id(0)
+
+    tok = _engine(tmp_path, _write(tmp_path, "t5", fill))
+    for text in LLAMA_CPP_TESTS + LEADING_SPACE + ["ﬁve ＦＵＬＬＷＩＤＴＨ ①"]:
+        assert tok.encode(text) == sp.encode(text), text
+        assert tok.encode(text, add_bos=True, add_eos=True) == sp.encode(text) + [1], text
+
+
 # --- kinds llama.cpp tokenizes with code no tokenizer.json reproduces -----------------------------------------------
 
 @pytest.mark.parametrize("model, pre", [("rwkv", ""), ("plamo2", ""), ("gpt2", "kimi-k2"), ("gpt2", "nonsense")])
