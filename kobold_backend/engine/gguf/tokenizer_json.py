@@ -14,6 +14,7 @@
   `remove_extra_whitespaces` is ignored, as llama.cpp's SPM tokenizer ignores it (only UGM reads it).
 - BPE (`gpt2`, `gemma4`): the regexes of `tokenizer.ggml.pre` (pretokenizers.py) as a sequence of isolating
   splits, then GPT-2's byte-level mapping, or for SPM-style BPE (Gemma 4) spaces as "▁" and <0xXX> byte fallback.
+  No normalizer: llama.cpp normalizes nothing before BPE, so Qwen2's NFC (in its tokenizer.json) is not applied.
 - WPM (`bert`): BERT's normalizer and pre-tokenizer with a WordPiece model; llama.cpp writes word-initial pieces
   with a "▁" and continuations bare, Hugging Face continuations with "##".
 
