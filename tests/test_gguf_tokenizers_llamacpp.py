@@ -209,6 +209,21 @@ def test_bpe_pre_tokenizer_matches_llama_cpp(pre: str, bpe_source, tmp_path: Pat
     assert tok.encode("a", add_bos=True) == bos + tok.encode("a")
 
 
+def test_token_types_llama_cpp_overrides_by_text(bpe_source, tmp_path: Path) -> None:
+    """End-of-generation and fill-in-the-middle texts written as normal tokens are still cut out of the text as
+    control tokens, gpt-oss's <|channel|> is matched as a user-defined token (rendered), as llama.cpp does."""
+    extra = {"<|im_end|>": gguf.TokenType.NORMAL, "<|fim_prefix|>": gguf.TokenType.NORMAL,
+             "<|channel|>": gguf.TokenType.CONTROL}
+    src = dict(bpe_source, tokens=bpe_source["tokens"] + list(extra),
+               types=bpe_source["types"] + list(extra.values()))
+    src["vocab"] = {t: i for i, t in enumerate(src["tokens"])}
+    tok = _engine(tmp_path, _write(tmp_path, "llama", _bpe_fill(src, "gpt2", "qwen2")))
+    ids = src["vocab"]
+    assert tok.encode("a<|im_end|>b<|fim_prefix|>c<|channel|>d")[1::2] == [
+        ids["<|im_end|>"], ids["<|fim_prefix|>"], ids["<|channel|>"]]
+    assert tok.decode([ids["<|im_end|>"], ids["<|channel|>"]]) == "<|channel|>"
+
+
 def test_every_llama_cpp_pre_name_is_accepted(bpe_source, tmp_path: Path) -> None:
     """The names of issue #28 and every other name llama.cpp's loader maps to a pre-tokenizer type."""
     names = ["qwen35", "command-r", "deepseek-llm", "deepseek-coder", "falcon", "mpt", "starcoder", "refact",

@@ -33,9 +33,25 @@ _DEFAULT_IDS: Dict[str, Dict[str, int]] = {
     "t5": {"eos": 1, "unknown": 2, "padding": 0},
     "gemma4": {},
 }
-# Texts llama.cpp takes as the end-of-turn token when the file names none, and then treats as control tokens.
-_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
-              "_<EOT>", "[EOT]", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>")
+# Token texts llama.cpp makes control tokens whatever the file's token types say (llama_vocab::impl::load): every
+# end-of-generation text, and the fill-in-the-middle texts of each role the file names no id for.
+_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+              "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+              "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+              "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~["}
+_FIM_TEXTS = {
+    "fim_pre": {"<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>",
+                "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>"},
+    "fim_suf": {"<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>",
+                "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>"},
+    "fim_mid": {"<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>",
+                "\u2581<MID>", "<|code_middle|>", "<|middle|>"},
+    "fim_pad": {"<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"},
+    "fim_rep": {"<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"},
+    "fim_sep": {"<|file_sep|>"},
+}
+# gpt-oss's channel markers are always rendered (user-defined), as is <|end|> beside <|return|> and <|call|>.
+_RENDERED_TEXTS = {"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"}
 _UNSUPPORTED_MODELS = {
     "rwkv": "RWKV's vocabulary of escaped byte strings",
     "plamo2": "PLaMo 2's own Aho-Corasick tokenizer",
@@ -65,13 +81,32 @@ def _read_vocab(meta: Dict[str, Any], model: str, where: str) -> tj.GGUFVocab:
         raise ModelFormatError(f"{where}: the GGUF file has no tokenizer.ggml.tokens vocabulary.")
     types = [int(t) for t in meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)]
     scores = [float(s) for s in meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)]
+    _llama_cpp_types(meta, tokens, types)
     vocab = tj.GGUFVocab(tokens, types, scores, _special_id(meta, model, "unknown", len(tokens)))
-    if meta.get("tokenizer.ggml.eot_token_id") is None:
-        found = [i for i, t in enumerate(tokens) if t in _EOT_TEXTS]
-        if found and types[found[0]] not in (CONTROL, UNKNOWN):
-            types[found[0]] = CONTROL
     _strip_flags(meta, vocab)
     return vocab
+
+
+def _llama_cpp_types(meta: Dict[str, Any], tokens: List[str], types: List[int]) -> None:
+    """The token types llama.cpp overrides by text: end-of-generation and fill-in-the-middle texts become control
+    tokens, gpt-oss's markers user-defined ones, and <|end|> (with <|return|> and <|call|>, or <|calls|> and
+    <|flush|>) and Gemma 4's </s> (with <|tool_response>) lose their end-of-generation role."""
+    texts = set(_EOG_TEXTS)
+    for role, names in _FIM_TEXTS.items():
+        if meta.get(f"tokenizer.ggml.{role}_token_id") is None:
+            texts |= names
+    present = set(tokens)
+    for i, text in enumerate(tokens):
+        if text in _RENDERED_TEXTS:
+            types[i] = USER_DEFINED
+        elif text in texts and types[i] != UNKNOWN:
+            types[i] = CONTROL
+    harmony = {"<|return|>", "<|call|>"} <= present or {"<|calls|>", "<|flush|>"} <= present
+    for i, text in enumerate(tokens):
+        if text == "<|end|>" and harmony:
+            types[i] = USER_DEFINED
+        elif text == "</s>" and "<|tool_response>" in present:
+            types[i] = NORMAL
 
 
 def _strip_flags(meta: Dict[str, Any], vocab: tj.GGUFVocab) -> None:
