@@ -17,7 +17,7 @@ import transformers
 from sentencepiece import sentencepiece_model_pb2
 
 from kobold_backend.engine.gguf.file import GGUFFile
-from kobold_backend.engine.gguf.pretokenizers import PRE_TOKENIZERS
+from kobold_backend.engine.gguf.pretokenizers import PRE_TOKENIZERS, UNSUPPORTED_PRE
 from kobold_backend.engine.gguf.tokenizer_files import tokenizer_files
 from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
 from kobold_backend.errors import ModelFormatError
@@ -222,6 +222,22 @@ def test_token_types_llama_cpp_overrides_by_text(bpe_source, tmp_path: Path) -> 
     assert tok.encode("a<|im_end|>b<|fim_prefix|>c<|channel|>d")[1::2] == [
         ids["<|im_end|>"], ids["<|fim_prefix|>"], ids["<|channel|>"]]
     assert tok.decode([ids["<|im_end|>"], ids["<|channel|>"]]) == "<|channel|>"
+
+
+# Every `tokenizer.ggml.pre` name llama.cpp's loader (llama_vocab::impl::load, 2026) maps to a pre-tokenizer type.
+LLAMA_CPP_PRE_NAMES = """default minicpm5 llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano
+deepseek-llm deepseek-coder deepseek-v3 spark2_5 youtu falcon mpt starcoder gpt-2 phi-2 jina-es jina-de gigachat
+jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert jais-2 gemma4 granite-embed-multi-311m sarvam-moe jina-v1-en
+jina-v2-code roberta-bpe whitespace refact command-r qwen2 deepseek-r1-qwen kormo f2llmv2 qwen35 stablelm2 olmo dbrx
+smaug-bpe poro-chat glm4 chatglm-bpe viking jais tekken smollm codeshell bloom gpt3-finnish exaone exaone4 exaone-moe
+chameleon minerva-7b megrez gpt-4o llama4 kanana2 talkie granite-embed-multi-97m tiny_aya cohere2moe superbpe trillion
+granite-docling bailingmoe bailingmoe2 llada-moe seed-coder hunyuan hunyuan-dense hy_v4 joyai-llm kimi-k2 ufakzeka
+grok-2 afmoe laguna minimax-m2 solar-open mellum2""".split()
+
+
+def test_pre_table_covers_llama_cpp() -> None:
+    assert set(PRE_TOKENIZERS) | set(UNSUPPORTED_PRE) == set(LLAMA_CPP_PRE_NAMES)
+    assert not set(PRE_TOKENIZERS) & set(UNSUPPORTED_PRE)
 
 
 def test_every_llama_cpp_pre_name_is_accepted(bpe_source, tmp_path: Path) -> None:
