@@ -79,6 +79,7 @@ def _read_vocab(meta: Dict[str, Any], model: str, where: str) -> tj.GGUFVocab:
     tokens: List[str] = list(meta.get("tokenizer.ggml.tokens") or [])
     if not tokens:
         raise ModelFormatError(f"{where}: the GGUF file has no tokenizer.ggml.tokens vocabulary.")
+    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # llama.cpp's name for an empty token
     types = [int(t) for t in meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)]
     scores = [float(s) for s in meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)]
     _llama_cpp_types(meta, tokens, types)
