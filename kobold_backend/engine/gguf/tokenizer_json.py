@@ -43,6 +43,7 @@ class GGUFVocab:
     unk_id: Optional[int] = None
     lstrip: Set[int] = field(default_factory=set)
     rstrip: Set[int] = field(default_factory=set)
+    _ids: Optional[Dict[str, int]] = field(default=None, repr=False)
 
     def added_tokens(self) -> List[Dict[str, Any]]:
         """Control, unknown and user-defined tokens, matched whole in raw text before anything else (llama.cpp's
@@ -54,10 +55,12 @@ class GGUFVocab:
                 if kind in (CONTROL, UNKNOWN, USER_DEFINED)]
 
     def vocab(self) -> Dict[str, int]:
-        out: Dict[str, int] = {}
-        for i, tok in enumerate(self.tokens):
-            out.setdefault(tok, i)
-        return out
+        """Text -> id (the first id of a repeated text); built once."""
+        if self._ids is None:
+            self._ids = {}
+            for i, tok in enumerate(self.tokens):
+                self._ids.setdefault(tok, i)
+        return self._ids
 
 
 def _spec(vocab: GGUFVocab, normalizer: Any, pre_tokenizer: Any, decoder: Any, model: Dict[str, Any]) -> Dict:
@@ -93,14 +96,14 @@ def spm_merges(vocab: GGUFVocab) -> List[str]:
     order); equal scores by the merged piece's id, then the shorter left part. Pieces holding a plain space cannot
     be written as a "left right" merge and are left out (llama.cpp's SPM vocabularies write spaces as "▁")."""
     ids = vocab.vocab()
+    scores = vocab.scores
     ranked: List[Tuple[float, int, int, str]] = []
     for piece, piece_id in ids.items():
         if " " in piece:
             continue
         for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in ids and right in ids:
-                ranked.append((-float(vocab.scores[piece_id]), piece_id, cut, f"{left} {right}"))
+            if piece[:cut] in ids and piece[cut:] in ids:
+                ranked.append((-scores[piece_id], piece_id, cut, piece[:cut] + " " + piece[cut:]))
     ranked.sort()
     return [merge for *_, merge in ranked]
 
