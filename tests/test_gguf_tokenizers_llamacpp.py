@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List
 import gguf
 import pytest
 import sentencepiece as spm
+import tokenizers
 import transformers
 from sentencepiece import sentencepiece_model_pb2
 
@@ -207,6 +208,19 @@ def test_bpe_pre_tokenizer_matches_llama_cpp(pre: str, bpe_source, tmp_path: Pat
         assert tok.decode(expected) == text.replace("<|eot_id|>", "").replace("<|begin_of_text|>", ""), (pre, text)
     bos = [bpe_source["vocab"]["<|begin_of_text|>"]] if kind.add_bos else []  # llama.cpp's default per pre
     assert tok.encode("a", add_bos=True) == bos + tok.encode("a")
+
+
+@pytest.mark.skipif(tuple(int(x) for x in tokenizers.__version__.split(".")[:2]) < (0, 19),
+                    reason="tokenizers < 0.19 cannot take a whole-vocabulary word without merges (ignore_merges)")
+def test_ignore_merges_takes_whole_vocabulary_words(bpe_source, tmp_path: Path) -> None:
+    """llama-bpe (Llama 3) and tekken take a pre-tokenized word that is a token whole, even when no merge builds
+    it; qwen2 does not."""
+    src = dict(bpe_source, tokens=bpe_source["tokens"] + ["\u0120zqxv"],
+               types=bpe_source["types"] + [gguf.TokenType.NORMAL])
+    src["vocab"] = {t: i for i, t in enumerate(src["tokens"])}
+    for pre, whole in (("llama-bpe", True), ("tekken", True), ("qwen2", False)):
+        tok = _engine(tmp_path, _write(tmp_path, "llama", _bpe_fill(src, "gpt2", pre)))
+        assert (tok.encode("a zqxv") == [src["vocab"]["a"], src["vocab"]["\u0120zqxv"]]) is whole, pre
 
 
 def test_token_types_llama_cpp_overrides_by_text(bpe_source, tmp_path: Path) -> None:

@@ -8,6 +8,10 @@ Source of every entry: llama.cpp's src/llama-vocab.cpp (ggml-org/llama.cpp, 2026
 `regex_exprs` per LLAMA_VOCAB_PRE_TYPE, and `llama_vocab::impl::load`, which maps each `tokenizer.ggml.pre` name to
 a type and sets `ignore_merges`, `add_bos`, `escape_whitespaces`. Where llama.cpp rewrites a tokenizer.json regex
 for std::regex (`(?i:'s|...)` spelled as `'[sS]|...`), the rewritten form is used: it is what llama.cpp runs.
+The `tokenizers` package runs these with Oniguruma; llama.cpp runs its own splitters for the GPT-2 and Llama 3
+patterns and std::regex on code points folded to one stand-in per Unicode category for the others, so the two can
+part on characters whose category the fold loses (the case-sensitive `[^a-z]` classes of tekken and gpt-4o on
+non-ASCII letters).
 """
 
 from __future__ import annotations
