@@ -56,8 +56,8 @@ def _engine(tmp: Path, meta: Dict[str, Any]) -> Tokenizer:
 # --- SPM (tokenizer.ggml.model = "llama") ------------------------------------------------------------------------
 
 def llama2_like_model(family: str = "llama") -> bytes:
-    """The trained sentencepiece model with Llama 2's whitespace-run pieces ("▁▁", "▁▁▁▁", ...) scored -1e9, so
-    they merge last, as in Llama 2's tokenizer.model (where " Hello" gives [29871, 15043], not [259, ...])."""
+    """The trained sentencepiece model with its whitespace-run pieces ("▁▁", "▁▁▁▁", ...) scored -1e9 so they merge
+    last, as Llama 2's do: there " Hello" ("▁▁Hello") gives [29871 ▁, 15043 ▁Hello] although "▁▁" is piece 259."""
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(sentencepiece_model_bytes(family))
     for piece in proto.pieces:
