@@ -54,7 +54,7 @@ _FIM_TEXTS = {
 _RENDERED_TEXTS = {"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"}
 _UNSUPPORTED_MODELS = {
     "rwkv": "RWKV's vocabulary of escaped byte strings",
-    "plamo2": "PLaMo 2's own Aho-Corasick tokenizer",
+    "plamo2": "PLaMo 2's own suffix-table tokenizer",
     "hybriddna": "its DNA k-mer tokenizer",
     "whitespace": "its whitespace-splitting tokenizer",
     "none": "no vocabulary", "no_vocab": "no vocabulary",
