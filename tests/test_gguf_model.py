@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Dict
 
 import pytest
+import sentencepiece as spm
 import torch
 import transformers
+from sentencepiece import sentencepiece_model_pb2
 
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.loader import load_model
@@ -23,6 +25,7 @@ from tests.fixtures.arch_checkpoints import ARCH_BY_NAME, build_arch_checkpoint
 from tests.fixtures.checkpoints import CheckpointSpec, build_checkpoint
 from tests.fixtures.gguf_files import Q4_K_M, write_gguf
 from tests.fixtures.hf_oracle import hf_load, hf_step, row_rel_err
+from tests.fixtures.llamacpp_tokenize import partition, spm_tokenize
 
 # Sizes that fill whole 256-element super-blocks, so every K-quant can be used.
 SPM_SPEC = CheckpointSpec("gguf_llama_spm", seed=31, hidden_size=256, intermediate_size=512, num_heads=4,
@@ -127,12 +130,18 @@ def test_gguf_sentencepiece_vocabulary(spm_checkpoint: Path, tmp_path: Path) -> 
     lm = load_model(tmp_path / "model.gguf", device="cpu")
     folder_tok = load_tokenizer(spm_checkpoint, 1, (2,))
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(spm_checkpoint), use_fast=False)
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((spm_checkpoint / "tokenizer.model").read_bytes())
+    proto.normalizer_spec.add_dummy_prefix = False
+    raw = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
     for text in TEXTS:
         ids = lm.tokenizer.encode(text, add_bos=True)
-        assert ids == folder_tok.encode(text, add_bos=True), text
+        # llama.cpp: one "▁" before each fragment at the start or after <s>, sentencepiece's merges on each.
+        fragments = partition(text, {"<s>": 1, "</s>": 2, "<unk>": 0})
+        assert ids == [1] + spm_tokenize(fragments, lambda p: raw.encode(p.replace("\u2581", " ")), True), text
         assert lm.tokenizer.decode(ids) == folder_tok.decode(ids)
         if "<s>" not in text and not text.startswith(" "):
-            assert ids == hf_tok.encode(text), text
+            assert ids == folder_tok.encode(text, add_bos=True) == hf_tok.encode(text), text
 
 
 def test_unsupported_tensor_type_is_one_sentence(spm_checkpoint: Path, tmp_path: Path) -> None:

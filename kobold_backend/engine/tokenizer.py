@@ -349,7 +349,7 @@ def _from_sentencepiece(path: Path, config: TokenizerConfig, bos_id: Optional[in
 
     model = spm.read_model(path)
     if model.model_type != spm.BPE:
-        return SentencePieceTokenizer(path, bos_id, eos_ids)
+        return SentencePieceTokenizer(path, bos_id, eos_ids, config)
     try:
         backend: Any = spm.bpe_backend(model)
     except Exception as exc:
@@ -379,7 +379,8 @@ def _from_sentencepiece(path: Path, config: TokenizerConfig, bos_id: Optional[in
 class SentencePieceTokenizer(Tokenizer):
     """A unigram sentencepiece model (not a Llama/Gemma BPE one) through the sentencepiece library itself."""
 
-    def __init__(self, path: Path, bos_id: Optional[int], eos_ids: Sequence[int]) -> None:
+    def __init__(self, path: Path, bos_id: Optional[int], eos_ids: Sequence[int],
+                 config: Optional[TokenizerConfig] = None) -> None:
         import sentencepiece
 
         self.sp = sentencepiece.SentencePieceProcessor()
@@ -392,6 +393,9 @@ class SentencePieceTokenizer(Tokenizer):
         self.bos_id = bos_id if bos_id is not None else (sp_bos if sp_bos >= 0 else None)
         self.eos_ids = tuple(eos_ids) if eos_ids else ((sp_eos,) if sp_eos >= 0 else ())
         self.prefix_ids = (self.bos_id,) if self.bos_id is not None else ()
+        if config is not None and config.add_bos_token is not None:  # T5: no BOS, EOS after the text
+            self.prefix_ids = self.prefix_ids if config.add_bos_token else ()
+            self.suffix_ids = self.eos_ids[:1] if config.add_eos_token else ()
         self.bos_token = self.sp.IdToPiece(self.bos_id) if self.bos_id is not None else None
         self.eos_token = self.sp.IdToPiece(self.eos_ids[0]) if self.eos_ids else None
         self._bytes: List[bytes] = [self._piece_bytes(i) for i in range(self.vocab_size)]
