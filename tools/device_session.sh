@@ -9,7 +9,7 @@
 #   exl2logits  exllamav2's causal logits for tests/data/exl2 (tools/exl2_reference_logits.py; results.tgz holds
 #               reference-logits-causal.safetensors, to be committed under tests/data/exl2/)
 #   ggml        GGML block-kernel timings (tools/ggml_timing.py)
-#   kvtiming    decode attention and decode steps per cache dtype (tools/kv_quant_timing.py)
+#   kvtiming    decode attention and decode steps per cache dtype, new and old kernels (tools/kv_quant_timing.py)
 #   ext         the doctor report and the kernel timing table (tools/ext_timing.py)
 #   compare     `bench --preset llama2-7b --compare` (this engine beside exllamav2 and transformers)
 #   base        with BASE=DIR (a checkout of the commit before the change): the 7B GPTQ bench from that tree on
@@ -88,8 +88,8 @@ named ggml && { section "GGML kernel timings"
 timeout 60 python3 tools/ggml_timing.py > "$OUT/ggml_timing.txt" 2>&1; tail -30 "$OUT/ggml_timing.txt"; }
 
 named kvtiming && { section "quantized KV cache timings"
-timeout 60 python3 tools/kv_quant_timing.py --layers 2 --steps 16 > "$OUT/kv_timing.txt" 2>&1
-grep -v -i warn "$OUT/kv_timing.txt" | tail -14; }
+timeout 170 python3 tools/kv_quant_timing.py --layers 2 --steps 16 > "$OUT/kv_timing.txt" 2>&1
+echo "kv_quant_timing rc=$?"; grep -v -i warn "$OUT/kv_timing.txt" | tail -24; }
 
 want_any gptq gguf exl2 exllamav2 kv spec act base && { section "write 7B checkpoints"
 python3 - <<'EOF' > "$OUT/write.log" 2>&1; tail -3 "$OUT/write.log"; }
