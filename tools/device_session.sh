@@ -89,7 +89,7 @@ timeout 60 python3 tools/ggml_timing.py > "$OUT/ggml_timing.txt" 2>&1; tail -30 
 
 named kvtiming && { section "quantized KV cache timings"
 timeout 170 python3 tools/kv_quant_timing.py --layers 2 --steps 16 > "$OUT/kv_timing.txt" 2>&1
-echo "kv_quant_timing rc=$?"; grep -v -i warn "$OUT/kv_timing.txt" | tail -24; }
+echo "kv_quant_timing rc=$?"; grep -v -i warn "$OUT/kv_timing.txt" | tail -45; }
 
 want_any gptq gguf exl2 exllamav2 kv spec act base && { section "write 7B checkpoints"
 python3 - <<'EOF' > "$OUT/write.log" 2>&1; tail -3 "$OUT/write.log"; }
@@ -114,7 +114,7 @@ want exl2 && bench_model exl2-7b /tmp/exl2-7b
 want exllamav2 && tail -2 "$OUT/exllamav2_build.log"
 want exllamav2 && exllamav2_on exl2-7b /tmp/exl2-7b
 want exllamav2 && exllamav2_on gptq-7b /tmp/gptq-7b
-want kv && bench_model gptq-7b-cache-fp16 /tmp/gptq-7b --contexts 16000
+want kv && bench_model gptq-7b-cache-fp16 /tmp/gptq-7b --contexts 4000,16000
 want kv && for c in q8 q4; do bench_model "gptq-7b-cache-$c" /tmp/gptq-7b --cache-dtype "$c" --contexts 4000,16000; done
 want spec && bench_model gptq-7b-speculative /tmp/gptq-7b --speculative --draft-preset qwen2.5-0.5b ${SPEC_FLAGS:-}
 want spec && grep -q "Error" "$OUT/gptq-7b-speculative.log" && CUDA_LAUNCH_BLOCKING=1 bench_model gptq-7b-speculative-sync \

@@ -2,7 +2,8 @@
 over fp16, q8, q4 and k8v4 caches, and greedy decode steps (CUDA graphs) of a Llama-2-7B-shaped GPTQ model cut to
 --layers layers, at each context; each with the templated flash-decoding kernel (csrc/cuda/flash_decode.cu, "new")
 and the previous kernels (KOBOLD_BACKEND_ATTN=legacy, "old") in the same process; prints microseconds, the cache
-bytes read per microsecond (GB/s) and cache MiB. The full-model figures come from
+bytes read per microsecond (GB/s) and cache MiB; and a 512-token prompt per cache dtype with the q8 prompt's
+heaviest kernels. The full-model figures come from
 `kobold-backend bench --cache-dtype q8 --contexts 4000,16000` (docs/performance.md).
 
 Run on a GPU machine from the repository root after building the kernels: `PYTHONPATH=. python
@@ -28,6 +29,7 @@ from kobold_backend.bench.timing import random_ids
 from kobold_backend.engine.cache import CACHE_DTYPES
 from kobold_backend.engine.decode_graph import GraphDecoder
 from kobold_backend.engine.loader import load_model
+from kobold_backend.engine.model import Model
 from kobold_backend.ops.kv_quant import BITS, QuantizedKV, bytes_per_vector
 
 NAMES = ("fp16", "q8", "q4", "k8v4")
@@ -96,12 +98,45 @@ def attention_table(contexts: List[int]) -> None:
             del kc, vc
 
 
+def prompt_table(model: Model, vocab: int, tokens: int = 512, repeats: int = 5) -> None:
+    """A prompt of `tokens` into an empty cache per dtype (ms), and the q8 prompt's heaviest CUDA kernels: the
+    quantized prompt path's cost (issue #30: 0.39x of fp16's prompt speed) in a form a profile can act on."""
+    ids = random_ids(tokens, vocab, 1, "cuda")
+    print(f"prompt of {tokens} tokens into an empty cache ({len(model.layers)} layers): ms")
+    cells = []
+    for name in NAMES:
+        cache = model.new_cache(cache_dtype=name)
+        for _ in range(2):
+            cache.reset()
+            model.forward(ids, cache)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            cache.reset()
+            model.forward(ids, cache)
+        end.record()
+        torch.cuda.synchronize()
+        cells.append(f"{name} {start.elapsed_time(end) / repeats:7.3f}")
+        if name == "q8":
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                cache.reset()
+                model.forward(ids, cache)
+                torch.cuda.synchronize()
+            profile = prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60)
+        del cache
+    print("  " + "   ".join(cells))
+    print("  q8 prompt, heaviest CUDA kernels:")
+    print("\n".join("  " + line for line in profile.splitlines()[:12]))
+
+
 def decode_table(contexts: List[int], layers: int, steps: int) -> None:
     shape = dataclasses.replace(PRESETS["llama2-7b"], layers=layers)
     with tempfile.TemporaryDirectory(prefix="kvq-timing-") as tmp:
         path = write_synthetic_gptq(Path(tmp) / "m", shape, max_position_embeddings=max(contexts) + 512)
         lm = load_model(path, device="cuda", max_seq_len=max(contexts) + 256, with_tokenizer=False)
     model = lm.model
+    prompt_table(model, shape.vocab)
     print(f"greedy decode step of a Llama-2-7B shape cut to {layers} layers (CUDA graphs): ms per token, "
           "cache MiB for the whole model (32 layers)")
     for name in NAMES:
