@@ -89,7 +89,7 @@ timeout 60 python3 tools/ggml_timing.py > "$OUT/ggml_timing.txt" 2>&1; tail -30 
 
 named kvtiming && { section "quantized KV cache timings"
 timeout 170 python3 tools/kv_quant_timing.py --layers 2 --steps 16 > "$OUT/kv_timing.txt" 2>&1
-echo "kv_quant_timing rc=$?"; grep -v -i warn "$OUT/kv_timing.txt" | tail -45; }
+echo "kv_quant_timing rc=$?"; grep -v -i warn "$OUT/kv_timing.txt" | tail -55; }
 
 want_any gptq gguf exl2 exllamav2 kv spec act base && { section "write 7B checkpoints"
 python3 - <<'EOF' > "$OUT/write.log" 2>&1; tail -3 "$OUT/write.log"; }

@@ -78,24 +78,26 @@ def _buffer(x: torch.Tensor, scheme: str) -> object:
 
 
 def attention_table(contexts: List[int]) -> None:
-    print("one layer's decode attention (32 heads x 128, MHA), graph-replayed: us (GB/s of cache read)")
-    for n in contexts:
-        g = torch.Generator(device="cuda").manual_seed(n)
-        k = torch.randn(1, 32, n, 128, device="cuda", generator=g).half()
-        v = torch.randn(1, 32, n, 128, device="cuda", generator=g).half()
-        q = torch.randn(1, 32, 128, device="cuda", generator=g).half()
-        pos = torch.tensor([n - 1], device="cuda")
-        for name in NAMES:
-            ks, vs = CACHE_DTYPES[name]
-            kc, vc = _buffer(k, ks), _buffer(v, vs)
-            nbytes = 32 * n * (bytes_per_vector(ks, 128, 2) + bytes_per_vector(vs, 128, 2))
-            row = []
-            for which in KERNELS:
-                with kernel(which):
-                    us = graph_us(functools.partial(ops.decode_attention_at, q, kc, vc, pos, n, 128 ** -0.5))
-                row.append(f"{which} {us:7.1f} ({nbytes / us / 1e3:5.0f})")
-            print(f"  ctx {n:6d} {name:5s}: " + "   ".join(row))
-            del kc, vc
+    print("one layer's decode attention (32 query heads x 128; 32 KV heads as Llama-2-7B, 8 as Llama-3-8B), "
+          "graph-replayed: us (GB/s of cache read)")
+    for hkv in (32, 8):
+        for n in contexts:
+            g = torch.Generator(device="cuda").manual_seed(n)
+            k = torch.randn(1, hkv, n, 128, device="cuda", generator=g).half()
+            v = torch.randn(1, hkv, n, 128, device="cuda", generator=g).half()
+            q = torch.randn(1, 32, 128, device="cuda", generator=g).half()
+            pos = torch.tensor([n - 1], device="cuda")
+            for name in NAMES:
+                ks, vs = CACHE_DTYPES[name]
+                kc, vc = _buffer(k, ks), _buffer(v, vs)
+                nbytes = hkv * n * (bytes_per_vector(ks, 128, 2) + bytes_per_vector(vs, 128, 2))
+                row = []
+                for which in KERNELS:
+                    with kernel(which):
+                        us = graph_us(functools.partial(ops.decode_attention_at, q, kc, vc, pos, n, 128 ** -0.5))
+                    row.append(f"{which} {us:7.1f} ({nbytes / us / 1e3:5.0f})")
+                print(f"  kv heads {hkv:2d} ctx {n:6d} {name:5s}: " + "   ".join(row))
+                del kc, vc
 
 
 def prompt_table(model: Model, vocab: int, tokens: int = 512, repeats: int = 5) -> None:
