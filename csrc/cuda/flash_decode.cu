@@ -91,31 +91,46 @@ struct F16Load {
     }
 };
 
+// Integers become floats without I2F (a quarter-rate conversion that would bound the q8/q4 loops before the
+// memory does): an integer u in [0, 2^23) placed in the mantissa of 2^23 is the float 2^23 + u, exactly, so one
+// byte permute or mask and one subtraction give the stored value.
+constexpr uint32_t kTwo23 = 0x4B000000u;  // 2^23 as a float's bits
+
+// The first N (<= 4) of the four int8 in w, lowest byte first.
+template <int N>
+__device__ __forceinline__ void int8_to_float(uint32_t w, float* x) {
+    const uint32_t u = w ^ 0x80808080u;  // b -> b + 128, unsigned
+#pragma unroll
+    for (int e = 0; e < N; ++e) x[e] = __uint_as_float(__byte_perm(u, kTwo23, 0x7540u + e)) - 8388736.0f;
+}
+
+// N nibbles of w (stored + 8), lowest first.
+template <int N>
+__device__ __forceinline__ void nibbles_to_float(uint32_t w, float* x) {
+#pragma unroll
+    for (int e = 0; e < N; ++e) x[e] = __uint_as_float(((w >> (4 * e)) & 15u) | kTwo23) - 8388616.0f;
+}
+
 struct Q8Load {
     static constexpr bool kQuant = true;
-    __device__ static __forceinline__ void unpack4(uint32_t w, float* x) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) x[e] = static_cast<float>(static_cast<int8_t>((w >> (8 * e)) & 0xffu));
-    }
     __device__ static __forceinline__ float group(const uint8_t* row, const half* srow, int g, float (&x)[kGroup]) {
         const uint4* p = reinterpret_cast<const uint4*>(row) + g * 2;
         const uint4 a = __ldg(p), b = __ldg(p + 1);
-        unpack4(a.x, x); unpack4(a.y, x + 4); unpack4(a.z, x + 8); unpack4(a.w, x + 12);
-        unpack4(b.x, x + 16); unpack4(b.y, x + 20); unpack4(b.z, x + 24); unpack4(b.w, x + 28);
+        int8_to_float<4>(a.x, x); int8_to_float<4>(a.y, x + 4); int8_to_float<4>(a.z, x + 8);
+        int8_to_float<4>(a.w, x + 12); int8_to_float<4>(b.x, x + 16); int8_to_float<4>(b.y, x + 20);
+        int8_to_float<4>(b.z, x + 24); int8_to_float<4>(b.w, x + 28);
         return __half2float(srow[g]);
     }
     template <int DL>
     __device__ static __forceinline__ float slice(const uint8_t* row, const half* srow, int e0, float (&x)[DL]) {
         if constexpr (DL == 8) {
             const uint2 raw = __ldg(reinterpret_cast<const uint2*>(row + e0));
-            unpack4(raw.x, x);
-            unpack4(raw.y, x + 4);
+            int8_to_float<4>(raw.x, x);
+            int8_to_float<4>(raw.y, x + 4);
         } else if constexpr (DL == 4) {
-            unpack4(__ldg(reinterpret_cast<const uint32_t*>(row + e0)), x);
+            int8_to_float<4>(__ldg(reinterpret_cast<const uint32_t*>(row + e0)), x);
         } else {
-            const char2 c = __ldg(reinterpret_cast<const char2*>(row + e0));
-            x[0] = static_cast<float>(c.x);
-            x[DL - 1] = static_cast<float>(c.y);
+            int8_to_float<DL>(__ldg(reinterpret_cast<const uint16_t*>(row + e0)), x);
         }
         return __half2float(srow[e0 / kGroup]);
     }
@@ -123,24 +138,20 @@ struct Q8Load {
 
 struct Q4Load {
     static constexpr bool kQuant = true;
-    __device__ static __forceinline__ void unpack8(uint32_t w, float* x) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) x[e] = static_cast<float>(static_cast<int>((w >> (4 * e)) & 15u) - 8);
-    }
     __device__ static __forceinline__ float group(const uint8_t* row, const half* srow, int g, float (&x)[kGroup]) {
         const uint4 a = __ldg(reinterpret_cast<const uint4*>(row) + g);
-        unpack8(a.x, x); unpack8(a.y, x + 8); unpack8(a.z, x + 16); unpack8(a.w, x + 24);
+        nibbles_to_float<8>(a.x, x); nibbles_to_float<8>(a.y, x + 8);
+        nibbles_to_float<8>(a.z, x + 16); nibbles_to_float<8>(a.w, x + 24);
         return __half2float(srow[g]);
     }
     template <int DL>
     __device__ static __forceinline__ float slice(const uint8_t* row, const half* srow, int e0, float (&x)[DL]) {
         if constexpr (DL == 8) {
-            unpack8(__ldg(reinterpret_cast<const uint32_t*>(row + e0 / 2)), x);
+            nibbles_to_float<8>(__ldg(reinterpret_cast<const uint32_t*>(row + e0 / 2)), x);
+        } else if constexpr (DL == 4) {
+            nibbles_to_float<4>(__ldg(reinterpret_cast<const uint16_t*>(row + e0 / 2)), x);
         } else {
-            const uint32_t w = DL == 4 ? __ldg(reinterpret_cast<const uint16_t*>(row + e0 / 2))
-                                       : __ldg(row + e0 / 2);
-#pragma unroll
-            for (int e = 0; e < DL; ++e) x[e] = static_cast<float>(static_cast<int>((w >> (4 * e)) & 15u) - 8);
+            nibbles_to_float<DL>(__ldg(row + e0 / 2), x);
         }
         return __half2float(srow[e0 / kGroup]);
     }
