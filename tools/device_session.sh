@@ -10,7 +10,7 @@
 #               reference-logits-causal.safetensors, to be committed under tests/data/exl2/)
 #   ggml        GGML block-kernel timings, classic, q8 and q8-pdl GEMV (tools/ggml_timing.py)
 #   mma         the tensor-core GPTQ product against dequantize + cuBLAS for 9..128 rows (tools/mma_timing.py)
-#   kvtiming    decode attention and decode steps per cache dtype (tools/kv_quant_timing.py)
+#   kvtiming    decode attention and decode steps per cache dtype, new and old kernels (tools/kv_quant_timing.py)
 #   ext         the doctor report and the kernel timing table (tools/ext_timing.py)
 #   compare     `bench --preset llama2-7b --compare` (this engine beside exllamav2 and transformers)
 #   base        with BASE=DIR (a checkout of the commit before the change): the 7B GPTQ bench from that tree on
@@ -92,8 +92,8 @@ named mma && { section "tensor-core GPTQ product timings"
 timeout 90 python3 tools/mma_timing.py > "$OUT/mma_timing.txt" 2>&1; tail -22 "$OUT/mma_timing.txt"; }
 
 named kvtiming && { section "quantized KV cache timings"
-timeout 60 python3 tools/kv_quant_timing.py --layers 2 --steps 16 > "$OUT/kv_timing.txt" 2>&1
-grep -v -i warn "$OUT/kv_timing.txt" | tail -14; }
+timeout 170 python3 tools/kv_quant_timing.py --layers 2 --steps 16 > "$OUT/kv_timing.txt" 2>&1
+echo "kv_quant_timing rc=$?"; grep -v -i warn "$OUT/kv_timing.txt" | tail -55; }
 
 want_any gptq gguf exl2 exllamav2 kv spec act base && { section "write 7B checkpoints"
 python3 - <<'EOF' > "$OUT/write.log" 2>&1; tail -3 "$OUT/write.log"; }
@@ -125,7 +125,7 @@ want exl2 && bench_model exl2-7b /tmp/exl2-7b
 want exllamav2 && tail -2 "$OUT/exllamav2_build.log"
 want exllamav2 && exllamav2_on exl2-7b /tmp/exl2-7b
 want exllamav2 && exllamav2_on gptq-7b /tmp/gptq-7b
-want kv && bench_model gptq-7b-cache-fp16 /tmp/gptq-7b --contexts 16000
+want kv && bench_model gptq-7b-cache-fp16 /tmp/gptq-7b --contexts 4000,16000
 want kv && for c in q8 q4; do bench_model "gptq-7b-cache-$c" /tmp/gptq-7b --cache-dtype "$c" --contexts 4000,16000; done
 want spec && bench_model gptq-7b-speculative /tmp/gptq-7b --speculative --draft-preset qwen2.5-0.5b ${SPEC_FLAGS:-}
 want spec && grep -q "Error" "$OUT/gptq-7b-speculative.log" && CUDA_LAUNCH_BLOCKING=1 bench_model gptq-7b-speculative-sync \

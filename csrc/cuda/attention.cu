@@ -1,6 +1,8 @@
 // Decode attention (one query row per sequence) over the preallocated fp16 KV cache, flash-decoding style:
 // the sequence is split into chunks, each block handles one KV head with up to 8 of its query heads (GQA
 // reads K/V once per group) and one chunk with an online softmax; a second pass merges the chunks.
+// flash_decode.cu's templated body serves the shapes it takes first; this kernel is the fallback for the others and,
+// with KOBOLD_BACKEND_ATTN=legacy, the previous kernel for a same-run comparison.
 #include <algorithm>
 
 #include "kb_cuda.cuh"
@@ -211,6 +213,7 @@ void decode_attention(const AttnArgs& a) {
             "decode_attention needs 16-byte aligned K cache rows and 4-byte aligned V cache rows");
     if (a.b == 0) return;
     use_device(a.device);
+    if (!legacy_attention() && flash_decode(a)) return;
     const int64_t group = a.hq / a.hkv;
     const int64_t hgroups = (group + kHeads - 1) / kHeads;
     const int64_t base_blocks = a.b * a.hkv * hgroups;

@@ -5,7 +5,9 @@
 //  - kvq_decode_attention: one query row against the integers, dequantized in registers, never written back.
 //    Same plan as attention.cu (flash-decoding: sequence chunks, one block per KV head and up to 8 of its query
 //    heads, an online softmax, a merge pass); the query is rotated into the cache's space in shared memory and the
-//    output rotated back before it is written (H is its own inverse).
+//    output rotated back before it is written (H is its own inverse). flash_decode.cu's templated body serves the
+//    shapes it takes first; this kernel is the fallback for the others and, with KOBOLD_BACKEND_ATTN=legacy, the
+//    previous kernel for a same-run comparison.
 #include <algorithm>
 
 #include "kb_cuda.cuh"
@@ -366,6 +368,7 @@ void kvq_decode_attention(const KvqAttnArgs& a) {
             "kvq_decode_attention needs 8-byte (q8) or 4-byte (q4) aligned K rows and 2-byte aligned V rows");
     if (a.b == 0) return;
     use_device(a.device);
+    if (!legacy_attention() && flash_decode(a)) return;
     const int64_t group = a.hq / a.hkv;
     const int64_t hgroups = (group + kHeads - 1) / kHeads;
     const int64_t base_blocks = a.b * a.hkv * hgroups;

@@ -137,6 +137,14 @@ struct KvqAttnArgs {
 
 void kvq_decode_attention(const KvqAttnArgs& a);  // D % 32 == 0, D <= 256
 
+// The templated flash-decoding body of flash_decode.cu for the fp16 and the 8/4-bit caches; false (nothing
+// launched) for a shape it does not take (head_dim other than 64/128/256, rows not 16-byte aligned, K 4-bit with
+// V 8-bit), which the kernels of attention.cu / kv_quant.cu then serve. decode_attention and kvq_decode_attention
+// call it first unless legacy_attention() (the environment variable KOBOLD_BACKEND_ATTN=legacy).
+bool flash_decode(const AttnArgs& a);
+bool flash_decode(const KvqAttnArgs& a);
+bool legacy_attention();
+
 struct KvqWriteArgs {
     const void* q; const void* k; const void* v;  // fp16 [B, T, H, D], last dim contiguous
     int64_t q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh;
