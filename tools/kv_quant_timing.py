@@ -30,6 +30,7 @@ from kobold_backend.engine.cache import CACHE_DTYPES
 from kobold_backend.engine.decode_graph import GraphDecoder
 from kobold_backend.engine.loader import load_model
 from kobold_backend.engine.model import Model
+from kobold_backend.ops import native
 from kobold_backend.ops.kv_quant import BITS, QuantizedKV, bytes_per_vector
 
 NAMES = ("fp16", "q8", "q4", "k8v4")
@@ -96,6 +97,11 @@ def attention_table(contexts: List[int]) -> None:
                     with kernel(which):
                         us = graph_us(functools.partial(ops.decode_attention_at, q, kc, vc, pos, n, 128 ** -0.5))
                     row.append(f"{which} {us:7.1f} ({nbytes / us / 1e3:5.0f})")
+                if name == "fp16":  # ops runs fp16 graph decode through torch's matmuls; the native kernel beside it
+                    native_at = functools.partial(native.cuda_kernels().decode_attention_at, q, kc, vc, pos, n,
+                                                  128 ** -0.5)
+                    us = graph_us(native_at)
+                    row.append(f"native {us:7.1f} ({nbytes / us / 1e3:5.0f})")
                 print(f"  kv heads {hkv:2d} ctx {n:6d} {name:5s}: " + "   ".join(row))
                 del kc, vc
 
