@@ -312,6 +312,7 @@ def _load_layer(ctx: LayerLoader, index: int) -> Layer:
     offset = config.features.norm_offset
     norms = {field_name: ctx.dense(f"{ckpt}.weight", (size,), offset)
              for field_name, (ckpt, size) in layout.norms.items()}
+    norms.update({field_name: ctx.dense(ckpt, shape) for field_name, (ckpt, shape) in layout.extras.items()})
     layer = Layer(
         q_proj=weights.get("q_proj"), k_proj=weights.get("k_proj"), v_proj=weights.get("v_proj"),
         o_proj=weights["o_proj"], gate_proj=weights.get("gate_proj"), up_proj=weights.get("up_proj"),

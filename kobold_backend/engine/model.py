@@ -72,7 +72,8 @@ class Layer:
     `post_norm` is the norm in front of the MLP. The optional tensors are set only by architectures that use them:
     `q_norm`/`k_norm` (per-head RMSNorm weights [head_dim]), `attn_out_norm`/`mlp_out_norm` (norms on the attention
     and MLP outputs before the residual add), `biases` (dense projections' biases by projection name; GPTQ layers
-    keep theirs), and `mlp`, a routed MLP object called as `mlp(x, index, passthrough)` instead of gate/up/down.
+    keep theirs), `sinks` (per-head attention-sink logits [num_heads], gpt-oss), and `mlp`, a routed MLP object
+    called as `mlp(x, index, passthrough)` instead of gate/up/down.
     `mlp_perm` is set when an act-order down_proj's input permutation was folded into gate/up's outputs
     (engine/mlp_fold.py): the intermediate is stored in that order, feature j being the checkpoint's mlp_perm[j].
     """
@@ -97,10 +98,11 @@ class Layer:
     biases: Dict[str, torch.Tensor] = field(default_factory=dict)
     mlp: Optional[Any] = None
     mlp_perm: Optional[torch.Tensor] = None
+    sinks: Optional[torch.Tensor] = None
 
     PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "qkv_proj", "gate_up_proj")
-    NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
+    NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "sinks")
 
     def weight(self, name: str) -> Weight:
         """The weight of one projection (a copy of its columns of the fused weight when it was fused), as
@@ -309,13 +311,14 @@ class Model:
         if pos_t is not None:
             q = ops.rope_cache_write_at(q, k, v, self.cos[index], self.sin[index], pos_t, k_cache, v_cache)
             a = ops.decode_attention_at(q[:, 0], k_cache, v_cache, pos_t, length, self.scale,
-                                        window=window, softcap=cap)
+                                        window=window, softcap=cap, sinks=layer.sinks)
         elif t == 1:
             q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
-            a = ops.decode_attention(q[:, 0], k_cache, v_cache, pos + 1, self.scale, window=window, softcap=cap)
+            a = ops.decode_attention(q[:, 0], k_cache, v_cache, pos + 1, self.scale, window=window, softcap=cap,
+                                     sinks=layer.sinks)
         else:
             q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
-            a = ops.attention(q, k_cache, v_cache, pos, self.scale, window=window, softcap=cap)
+            a = ops.attention(q, k_cache, v_cache, pos, self.scale, window=window, softcap=cap, sinks=layer.sinks)
         a = self._proj(index, layer, "o_proj", a.reshape(b, t, cfg.num_heads * cfg.head_dim), passthrough)
         if layer.attn_out_norm is not None:
             a = ops.rms_norm(a, layer.attn_out_norm, eps)
