@@ -77,6 +77,9 @@ class Features:
     - `attn_softcap` / `final_softcap`: `c * tanh(x / c)` on attention scores / final logits (Gemma 2).
     - `windows`: per layer, the sliding-window length (None: full attention).
     - `ropes`: per layer, the RoPE table it uses (Gemma 3 local/global layers differ).
+    - `cache_shape`: (kv heads, key size, value size) of one cached position when the layers' attention objects
+      (Layer.attn, e.g. DeepSeek's latent attention) cache something else than num_kv_heads x head_dim K and V;
+      such caches are kept in the layers' dtype only (`quantized_cache` False).
     """
 
     biases: Tuple[str, ...] = ()
@@ -91,6 +94,12 @@ class Features:
     final_softcap: Optional[float] = None
     windows: Tuple[Optional[int], ...] = ()
     ropes: Tuple[RopeSpec, ...] = ()
+    cache_shape: Tuple[int, int, int] = (0, 0, 0)
+
+    @property
+    def quantized_cache(self) -> bool:
+        """Whether the 8/4-bit KV cache can hold this model's cache."""
+        return self.cache_shape == (0, 0, 0)
 
 
 @dataclass

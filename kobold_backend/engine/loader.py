@@ -143,6 +143,9 @@ def load_model(
             raise ValueError(f"max_seq_len must be at least 1, not {seq_len}")
         check_against_headers(config, reader)
         check_cache_dtype(cache_dtype, config.head_dim)
+        if not config.features.quantized_cache and cache_schemes(cache_dtype) != ("fp16", "fp16"):
+            raise ValueError(f"--cache-dtype {cache_dtype} cannot hold this model's latent attention cache, which is "
+                             "kept in the model's dtype: use --cache-dtype fp16")
         per_layer = [resolve_device(d) for d in layer_devices] if layer_devices else [main] * config.num_layers
         check_cache_memory(config, per_layer, compute_dtype, seq_len, cache_dtype)
         model = _build(reader, config, main, per_layer, compute_dtype, seq_len, embed_on_cpu,
@@ -230,10 +233,12 @@ def check_cache_memory(config: ModelConfig, per_layer: Sequence[torch.device], d
                        seq_len: int, cache_dtype: str = "fp16") -> None:
     """Refuse a context whose KV cache alone is larger than the free memory of a device it would go on."""
     need: Dict[torch.device, int] = {}
+    heads, key, value = config.features.cache_shape
     for dev in per_layer:
         size = torch.tensor([], dtype=_dtype_for(dev, dtype)).element_size()
-        need[dev] = need.get(dev, 0) + seq_len * cache_bytes_per_token(cache_dtype, config.num_kv_heads,
-                                                                       config.head_dim, size)
+        per_token = heads * (key + value) * size if heads else \
+            cache_bytes_per_token(cache_dtype, config.num_kv_heads, config.head_dim, size)
+        need[dev] = need.get(dev, 0) + seq_len * per_token
     for dev, nbytes in need.items():
         free = _available_bytes(dev)
         if free is not None and nbytes > free:
@@ -318,7 +323,8 @@ def _load_layer(ctx: LayerLoader, index: int) -> Layer:
         o_proj=weights["o_proj"], gate_proj=weights.get("gate_proj"), up_proj=weights.get("up_proj"),
         down_proj=weights.get("down_proj"), qkv_proj=weights.get("qkv_proj"),
         gate_up_proj=weights.get("gate_up_proj"), device=ctx.device, out_features=out_features,
-        biases=biases, mlp=arch.build_mlp(ctx, config, index), **norms,
+        biases=biases, mlp=arch.build_mlp(ctx, config, index), attn=arch.build_attention(ctx, config, index),
+        **norms,
     )
     fold_down_permutation(layer)
     layer.fuse()

@@ -158,6 +158,22 @@ class ExpertBiases:
 
 
 @dataclass
+class DenseMLP:
+    """An always-on dense MLP beside the routed experts (DeepSeek's shared experts): down(act(gate(x), up(x)))."""
+
+    gate: Weight
+    up: Weight
+    down: Weight
+    act: Activation
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _project(self.act(_project(x, self.gate), _project(x, self.up)), self.down)
+
+    def tensors(self) -> Iterator[Any]:
+        yield from (self.gate, self.up, self.down)
+
+
+@dataclass
 class RoutedExperts:
     """A sparse MoE block. `gate_up` holds [gate; up] fused when `up` is None, else only the gate projection.
 
@@ -175,8 +191,7 @@ class RoutedExperts:
     router_bias: Optional[torch.Tensor] = None
     correction_bias: Optional[torch.Tensor] = None
     biases: Optional[ExpertBiases] = None
-    shared: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-    shared_tensors: Tuple[Any, ...] = ()
+    shared: Optional[DenseMLP] = None
 
     @property
     def num_experts(self) -> int:
@@ -207,10 +222,11 @@ class RoutedExperts:
         if groups > 1:
             m, e = choice.shape
             per_group = choice.view(m, groups, e // groups)
-            rank = per_group.topk(min(2, e // groups), dim=-1).values.sum(-1) if self.correction_bias is not None \
+            # DeepSeek-V3 ranks a group by its two best biased scores, V2 by its best
+            rank = per_group.topk(min(2, e // groups), dim=-1).values.sum(-1) if self.routing.scoring == "sigmoid" \
                 else per_group.max(dim=-1).values
             keep = torch.zeros_like(rank).scatter_(1, rank.topk(self.routing.topk_group, dim=-1).indices, 1.0)
-            choice = choice.masked_fill(keep.repeat_interleave(e // groups, dim=1) == 0, 0.0)
+            choice = choice.masked_fill(keep.repeat_interleave(e // groups, dim=1) == 0, float("-inf"))
         experts = choice.topk(self.top_k, dim=-1).indices
         return scores.gather(1, experts), experts
 
@@ -224,7 +240,8 @@ class RoutedExperts:
         for stack in (self.gate_up, self.up, self.down):
             if stack is not None:
                 yield from stack.tensors()
-        yield from self.shared_tensors
+        if self.shared is not None:
+            yield from self.shared.tensors()
 
     def unread_bytes_per_token(self) -> int:
         """Bytes of the experts one token does not read (all but top_k of them): for decode rooflines."""

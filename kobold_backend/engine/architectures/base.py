@@ -103,6 +103,11 @@ class Architecture:
             norms["k_norm"] = ("self_attn.k_norm", config.head_dim)
         return LayerLayout(linears, norms, f.biases)
 
+    def build_attention(self, loader: Any, config: ConfigData, index: int) -> Optional[Any]:
+        """Hook for an attention that is not q/k/v projections (DeepSeek's latent attention): an object the layer
+        calls instead (see engine/mla.py), or None. Its `o_proj` stays in the layout."""
+        return None
+
     def build_mlp(self, loader: Any, config: ConfigData, index: int) -> Optional[Any]:
         """Hook for a non-dense MLP (routed experts): return an object the layer calls instead of gate/up/down.
 
