@@ -142,10 +142,10 @@ def load_model(
         if seq_len < 1:
             raise ValueError(f"max_seq_len must be at least 1, not {seq_len}")
         check_against_headers(config, reader)
-        check_cache_dtype(cache_dtype, config.head_dim)
         if not config.features.quantized_cache and cache_schemes(cache_dtype) != ("fp16", "fp16"):
             raise ValueError(f"--cache-dtype {cache_dtype} cannot hold this model's latent attention cache, which is "
                              "kept in the model's dtype: use --cache-dtype fp16")
+        check_cache_dtype(cache_dtype, config.head_dim)
         per_layer = [resolve_device(d) for d in layer_devices] if layer_devices else [main] * config.num_layers
         check_cache_memory(config, per_layer, compute_dtype, seq_len, cache_dtype)
         model = _build(reader, config, main, per_layer, compute_dtype, seq_len, embed_on_cpu,

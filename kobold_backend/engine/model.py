@@ -268,7 +268,7 @@ class Model:
             # the tables carry the RoPE attention factor (LongRoPE); a pure rotation must not apply it again
             cos = self.cos[index][drop].float() / self.rope_factors[index]
             sin = self.sin[index][drop].float() / self.rope_factors[index]
-            src = k[:, :, start + drop : end].float()
+            src = k[:, :, start + drop : end].float().clone()
             part = src[..., -cos.shape[-1]:]
             src[..., -cos.shape[-1]:] = part * cos - rotate_half(part) * sin
             k[:, :, start : start + moved].copy_(src)
