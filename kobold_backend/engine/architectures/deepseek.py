@@ -12,6 +12,8 @@ shared experts, read as transformers' modeling_deepseek_v2 / modeling_deepseek_v
   V2 scores by softmax (top-k greedy, or within the `topk_group` best of `n_group` groups for
   "group_limited_greedy"), never renormalised; V3 by sigmoid with `mlp.gate.e_score_correction_bias` and groups,
   renormalised with `norm_topk_prob`; both multiply by `routed_scaling_factor`.
+- GGUF (llama.cpp's `deepseek2`): the same tensors under engine/gguf/names.py's map, kv_b_proj split by the converter
+  into `attn_k_b` [H, rank, nope] and `attn_v_b` [H, v, rank], the rotary rows left interleaved as in the checkpoint.
 """
 
 from __future__ import annotations
@@ -154,8 +156,12 @@ class DeepseekV2(RoutedArchitecture):
             eps=config.rms_norm_eps,
             kv_a_bias=loader.dense("self_attn.kv_a_proj_with_mqa.bias", (rank + rope,))[kv_order] if bias else None,
         )
-        kv_b = _dense(load("kv_b_proj")).to(loader.dtype).view(heads, nope + v, rank)
-        attn.w_uk, attn.w_uv = kv_b[:, :nope].contiguous(), kv_b[:, nope:].contiguous()
+        if loader.has("self_attn.k_b_proj.weight"):  # GGUF: the converter split kv_b_proj, k_b transposed
+            attn.w_uk = loader.dense("self_attn.k_b_proj.weight", (heads, rank, nope)).transpose(1, 2).contiguous()
+            attn.w_uv = loader.dense("self_attn.v_b_proj.weight", (heads, v, rank))
+        else:
+            kv_b = _dense(load("kv_b_proj")).to(loader.dtype).view(heads, nope + v, rank)
+            attn.w_uk, attn.w_uv = kv_b[:, :nope].contiguous(), kv_b[:, nope:].contiguous()
         if "q_proj" in lin:
             attn.q_proj = _permute_rows(load("q_proj"), q_order, where)
         else:

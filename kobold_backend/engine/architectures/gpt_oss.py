@@ -10,12 +10,15 @@ routed MLP with biases and a clamped SwiGLU, read as transformers' modeling_gpt_
   checkpoints store them (`gate_up_proj_blocks` / `_scales` [E, 2I, ...], `down_proj_blocks` / `_scales`
   [E, H, ...], [out, in]; engine/mxfp4.py), which are dequantized here at load; `gate_up_proj_bias` [E, 2I] and
   `down_proj_bias` [E, H]. The unit is (clamp(up, ±limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+- GGUF (llama.cpp's converter): gate and up split into `ffn_gate_exps` / `ffn_up_exps` with their biases,
+  `ffn_down_exps`, read per expert as stored (MXFP4 blocks included, ops/ggml.py), under the names
+  engine/gguf/names.py gives them (`mlp.experts.E.gate_proj`).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -30,9 +33,10 @@ from kobold_backend.engine.architectures.base import (
     register,
 )
 from kobold_backend.engine.config_types import ConfigData
-from kobold_backend.engine.moe import ExpertBiases, ExpertStack, RoutedExperts, Routing
+from kobold_backend.engine.moe import ExpertBiases, ExpertStack, RoutedExperts, Routing, stack_expert_mlps
 from kobold_backend.engine.mxfp4 import dequantize_mxfp4
 from kobold_backend.errors import ModelFormatError
+from kobold_backend.ops.ggml import GGMLWeight
 
 _EXPERTS = "mlp.experts"
 
@@ -73,26 +77,63 @@ class GptOss(Architecture):
     def build_mlp(self, loader: Any, config: ConfigData, index: int) -> Optional[RoutedExperts]:
         raw = config.raw
         h, inter, e = config.hidden_size, config.intermediate_size, int(raw["num_local_experts"])
-        gate_up = _experts(loader, "gate_up_proj", e, 2 * inter, h)
-        down = _experts(loader, "down_proj", e, h, inter)
-        gu_bias = loader.dense(f"{_EXPERTS}.gate_up_proj_bias", (e, 2 * inter))
-        # [gate; up] instead of interleaved, so the generic fused path splits it in halves
-        order = torch.cat([torch.arange(0, 2 * inter, 2), torch.arange(1, 2 * inter, 2)]).to(gate_up.device)
+        if loader.has(f"{_EXPERTS}.0.gate_proj.weight"):
+            gate_up, up, down, biases = _per_expert(loader, e, h, inter)
+        else:
+            gate_up, up, down, biases = _stacked(loader, e, h, inter)
         act = functools.partial(ops.clamped_swiglu_mul, alpha=float(raw.get("swiglu_alpha", 1.702)),
                                 limit=float(raw.get("swiglu_limit", 7.0)))
         return RoutedExperts(
             router=loader.dense("mlp.router.weight", (e, h)),
-            gate_up=ExpertStack(h, 2 * inter, weight=gate_up.index_select(1, order).contiguous()),
-            up=None,
-            down=ExpertStack(inter, h, weight=down),
+            gate_up=gate_up,
+            up=up,
+            down=down,
             top_k=int(raw["num_experts_per_tok"]),
             renormalize=False,
             act=act,
             routing=Routing("topk_softmax"),
             router_bias=loader.dense("mlp.router.bias", (e,)),
-            biases=ExpertBiases(gu_bias.index_select(1, order).contiguous(), None,
-                                loader.dense(f"{_EXPERTS}.down_proj_bias", (e, h))),
+            biases=biases,
         )
+
+
+Stacks = Tuple[ExpertStack, Optional[ExpertStack], ExpertStack, ExpertBiases]
+
+
+def _stacked(loader: Any, e: int, h: int, inter: int) -> Stacks:
+    """The checkpoint's stacked experts (dense or MXFP4), gate/up reordered to [gate; up] for the fused path."""
+    gate_up = _experts(loader, "gate_up_proj", e, 2 * inter, h)
+    down = _experts(loader, "down_proj", e, h, inter)
+    gu_bias = loader.dense(f"{_EXPERTS}.gate_up_proj_bias", (e, 2 * inter))
+    order = torch.cat([torch.arange(0, 2 * inter, 2), torch.arange(1, 2 * inter, 2)]).to(gate_up.device)
+    biases = ExpertBiases(gu_bias.index_select(1, order).contiguous(), None,
+                          loader.dense(f"{_EXPERTS}.down_proj_bias", (e, h)))
+    return (ExpertStack(h, 2 * inter, weight=gate_up.index_select(1, order).contiguous()), None,
+            ExpertStack(inter, h, weight=down), biases)
+
+
+def _per_expert(loader: Any, e: int, h: int, inter: int) -> Stacks:
+    """GGUF's split `ffn_{gate,up,down}_exps` (weights and biases), each expert's rows as stored."""
+    def weights(name: str, k: int, n: int) -> List[Any]:
+        out = []
+        for i in range(e):
+            w = loader.linear(f"{_EXPERTS}.{i}.{name}", k, n)
+            out.append(GGMLWeight(w.data, w.type_name, k, n) if isinstance(w, GGMLWeight) else w)
+        return out
+
+    def bias(name: str, n: int) -> torch.Tensor:
+        return torch.stack([loader.dense(f"{_EXPERTS}.{i}.{name}.bias", (n,)) for i in range(e)])
+
+    try:
+        gate_up, up, down = stack_expert_mlps(weights("gate_proj", h, inter), weights("up_proj", h, inter),
+                                              weights("down_proj", inter, h))
+    except ValueError as exc:
+        raise ModelFormatError(f"{loader.prefix}: {exc}.") from None
+    gate_b, up_b = bias("gate_proj", inter), bias("up_proj", inter)
+    fused = up is None
+    biases = ExpertBiases(torch.cat([gate_b, up_b], dim=-1) if fused else gate_b, None if fused else up_b,
+                          bias("down_proj", h))
+    return gate_up, up, down, biases
 
 
 def _experts(loader: Any, name: str, experts: int, out_features: int, in_features: int) -> torch.Tensor:
