@@ -255,3 +255,80 @@ def test_gpu_fp32_matches_transformers_at_every_step(name: str, graphs: bool, ar
         pytest.skip("no CUDA GPU")
     errs = _gpu_errors(archs.get(name), hf(name), "float32", graphs)
     assert max(errs) < GPU_FP32_RTOL, f"{name}: max relative logit error {max(errs):.3e}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chat template. The published gpt-oss ("harmony") template is not available offline; this one, written for the
+# test, uses the constructs it is built from (recursive macros, namespace objects assigned in loops, look-ahead
+# slices of the messages, strftime_now, raise_exception, tojson of tool arguments, `is not defined` defaults,
+# whitespace control) and must render exactly as transformers' own renderer does.
+
+HARMONY_LIKE = """
+{%- macro type_of(spec) -%}
+    {%- if spec.type == "array" -%}{{- type_of(spec['items']) + "[]" -}}
+    {%- elif spec.type == "integer" -%}{{- "number" -}}
+    {%- else -%}{{- spec.type -}}{%- endif -%}
+{%- endmacro -%}
+{%- if reasoning_effort is not defined %}{%- set reasoning_effort = "medium" %}{%- endif %}
+{{- "<|start|>system<|message|>Knowledge cutoff: 2024-06\\nCurrent date: " + strftime_now("%Y-%m-%d") }}
+{{- "\\n\\nReasoning: " + reasoning_effort }}
+{{- "\\ndays: " + type_of({"type": "array", "items": {"type": "integer"}}) }}
+{{- "<|end|>" }}
+{%- if messages[0].role in ("system", "developer") %}
+    {%- set loop_messages = messages[1:] %}
+    {{- "<|start|>developer<|message|># Instructions\\n\\n" + messages[0].content + "<|end|>" }}
+{%- else %}{%- set loop_messages = messages %}{%- endif %}
+{%- set last_call = namespace(name=none) %}
+{%- for message in loop_messages -%}
+    {%- if message.role == "assistant" -%}
+        {%- if "<|channel|>" in message.content | default("") %}
+            {{- raise_exception("pass analysis text in 'thinking', not channel tags in 'content'") }}
+        {%- endif %}
+        {%- if "tool_calls" in message %}
+            {%- set later = namespace(final=false) %}
+            {%- for future in loop_messages[loop.index:] %}
+                {%- if future.role == "assistant" and "tool_calls" not in future %}
+                    {%- set later.final = true %}
+                {%- endif %}
+            {%- endfor %}
+            {%- set call = message.tool_calls[0].function %}
+            {%- if message.thinking and not later.final %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
+            {%- endif %}
+            {{- "<|start|>assistant to=functions." + call.name + "<|channel|>commentary json<|message|>" }}
+            {{- call.arguments | tojson + "<|call|>" }}
+            {%- set last_call.name = call.name %}
+        {%- else %}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
+        {%- endif %}
+    {%- elif message.role == "tool" -%}
+        {{- "<|start|>functions." + last_call.name + " to=assistant<|channel|>commentary<|message|>" }}
+        {{- message.content | tojson + "<|end|>" }}
+    {%- else -%}
+        {{- "<|start|>user<|message|>" + message.content + "<|end|>" }}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}
+"""
+
+CHAT = [{"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "thinking": "call the tool", "tool_calls": [
+            {"function": {"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}}]},
+        {"role": "tool", "content": "{\"temp\": 21}"},
+        {"role": "assistant", "content": "21 degrees."},
+        {"role": "user", "content": "Thanks"}]
+
+
+def test_harmony_style_template_renders_as_transformers() -> None:
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from kobold_backend.engine.chat_template import compile_template
+
+    kwargs = dict(messages=CHAT, add_generation_prompt=True, bos_token="", eos_token="", tools=None,
+                  documents=None)
+    ours = compile_template(HARMONY_LIKE).render(**kwargs)
+    assert ours == _compile_jinja_template(HARMONY_LIKE).render(**kwargs)
+    assert "<|start|>functions.get_weather to=assistant" in ours and ours.endswith("<|start|>assistant")
+    assert "days: number[]<|end|>" in ours and '"days": [1, 2]' in ours
+    assert "<|channel|>analysis" not in ours  # a final answer follows the call: its analysis is dropped
