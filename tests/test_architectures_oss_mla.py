@@ -257,6 +257,23 @@ def test_gpu_fp32_matches_transformers_at_every_step(name: str, graphs: bool, ar
     assert max(errs) < GPU_FP32_RTOL, f"{name}: max relative logit error {max(errs):.3e}"
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_the_planner_counts_what_the_loader_holds(name: str, archs, ours) -> None:
+    """A split plan made from the headers counts every tensor the loader holds, byte for byte (gpt-oss's stacked
+    experts, MXFP4 blocks as the dense weights they become, sinks, DeepSeek's latent attention), and the latent
+    cache as it is allocated."""
+    from kobold_backend.engine.device_map import Sizes, checkpoint_shapes, plan_device_map
+
+    built, lm = archs.get(name), ours(name)
+    dm = plan_device_map(built.path, None, MAX_SEQ, layer_counts={"cpu": lm.config.num_layers})
+    (usage,) = dm.usage
+    assert usage.weight_bytes == lm.model.nbytes
+    assert usage.cache_bytes == lm.model.new_cache().nbytes
+    sizes = Sizes(lm.config, checkpoint_shapes(built.path), MAX_SEQ)
+    for i, layer in enumerate(lm.model.layers):
+        assert sizes.layer(i, 4) == sum(w.numel() * w.element_size() for w in layer.tensors())
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Chat template. The published gpt-oss ("harmony") template is not available offline; this one, written for the
 # test, uses the constructs it is built from (recursive macros, namespace objects assigned in loops, look-ahead
