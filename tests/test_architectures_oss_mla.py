@@ -24,6 +24,7 @@ from tests.fixtures.oss_mla_checkpoints import SPECS, Factory, pack_mxfp4
 ALL = [s.name for s in SPECS]
 DEEPSEEK = ["deepseek_v2", "deepseek_v3"]
 LOGITS_RTOL = 1e-4
+LOGITS_ATOL = 1e-4  # logits here reach |17|; measured 1.1e-5 to 1.7e-5 (2026-12-03)
 REUSE_RTOL = 1e-5
 GREEDY_TOKENS = 32
 MAX_SEQ = 96
@@ -56,6 +57,7 @@ def test_logits_match_transformers(name: str, archs, ours, hf, record_property) 
     record_property("max_rel_err", err)
     record_property("max_abs_err", float((logits - ref).abs().max()))
     assert err < LOGITS_RTOL, f"{name}: max relative logit error {err:.3e}"
+    assert float((logits - ref).abs().max()) < LOGITS_ATOL
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -34,6 +34,8 @@ from kobold_backend.ops.exl2_weight import EXL2Weight
 from kobold_backend.ops.ggml import GGMLWeight, ggml_dequantize
 from kobold_backend.ops.gptq_weight import GPTQWeight
 
+# transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default eps, not rms_norm_eps
+_LATENT_NORM_EPS = 1e-6
 _DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
@@ -153,7 +155,7 @@ class DeepseekV2(RoutedArchitecture):
             kv_a_proj=_permute_rows(load("kv_a_proj"), kv_order, where),
             kv_a_norm=loader.dense("self_attn.kv_a_layernorm.weight", (rank,)),
             w_uk=torch.empty(0), w_uv=torch.empty(0), num_heads=heads, nope=nope, rope=rope,
-            eps=config.rms_norm_eps,
+            eps=_LATENT_NORM_EPS,
             kv_a_bias=loader.dense("self_attn.kv_a_proj_with_mqa.bias", (rank + rope,))[kv_order] if bias else None,
         )
         if loader.has("self_attn.k_b_proj.weight"):  # GGUF: the converter split kv_b_proj, k_b transposed
