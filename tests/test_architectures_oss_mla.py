@@ -351,3 +351,22 @@ def test_harmony_style_template_renders_as_transformers() -> None:
     assert "<|start|>functions.get_weather to=assistant" in ours and ours.endswith("<|start|>assistant")
     assert "days: number[]<|end|>" in ours and '"days": [1, 2]' in ours
     assert "<|channel|>analysis" not in ours  # a final answer follows the call: its analysis is dropped
+
+
+def test_deepseek_reorders_and_dequantizes_gptq_projections() -> None:
+    """The rotary-row permutation and kv_b_proj's dequantization on a GPTQ layer (random codes, act-order
+    permutation), checked through the layer's own matmul."""
+    from kobold_backend.engine.architectures.deepseek import _dense, _permute_rows
+    from kobold_backend.engine.model import project
+    from kobold_backend.ops.gptq_weight import GPTQWeight
+
+    g = torch.Generator().manual_seed(7)
+    k, n, group = 64, 40, 32
+    qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=g, dtype=torch.int32)
+    zeros = torch.randint(0, 16, (k // group, n), generator=g).float()
+    w = GPTQWeight(qweight, torch.rand(k // group, n, generator=g) / 8, zeros, torch.randperm(k, generator=g), group,
+                   k, n)
+    x = torch.randn(3, k, generator=g)
+    order = torch.randperm(n, generator=g)
+    assert torch.allclose(project(x, _permute_rows(w, order, "t")), project(x, w)[:, order], atol=1e-5)
+    assert torch.allclose(x @ _dense(w).t(), project(x, w), atol=1e-5)

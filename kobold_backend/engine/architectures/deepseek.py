@@ -62,17 +62,25 @@ def _permute_rows(w: Any, order: torch.Tensor, where: str) -> Any:
         bias = None if w.bias is None else w.bias[order.to(w.bias.device)]
         return GGMLWeight(w.data.index_select(0, order.to(w.data.device)), w.type_name, w.in_features,
                           w.out_features, bias)
-    if isinstance(w, (GPTQWeight, EXL2Weight)):
-        raise ModelFormatError(f"{where}: a quantized projection carrying DeepSeek's interleaved rotary dimensions "
-                               "is not supported (its rows would need reordering); use a dense or GGUF checkpoint.")
+    if isinstance(w, GPTQWeight):  # output features are qweight's, scales' and zeros' columns
+        cols = order.to(w.qweight.device)
+        pick = lambda t: t.index_select(1, cols).contiguous()  # noqa: E731
+        return GPTQWeight(pick(w.qweight), pick(w.scales), pick(w.zeros), w.perm, w.group_size, w.in_features,
+                          w.out_features, None if w.bias is None else w.bias[cols], w.bits)
+    if isinstance(w, EXL2Weight):
+        raise ModelFormatError(f"{where}: an EXL2 projection carrying DeepSeek's interleaved rotary dimensions is "
+                               "not supported (its rows would need reordering); use a dense, GPTQ or GGUF checkpoint.")
     return w.index_select(0, order.to(w.device)).contiguous()
 
 
 def _dense(w: Any) -> torch.Tensor:
     if isinstance(w, GGMLWeight):
         return ggml_dequantize(w)
-    if isinstance(w, GPTQWeight):
-        return ops.gptq_dequantize(w).t()
+    if isinstance(w, GPTQWeight):  # [K, N] with act-order rows sorted: row j is input feature perm[j]
+        d = ops.gptq_dequantize(w)
+        if w.perm is not None:
+            d = torch.empty_like(d).index_copy_(0, w.perm, d)
+        return d.t()
     if isinstance(w, EXL2Weight):
         raise ModelFormatError("an EXL2 kv_b_proj is not supported; DeepSeek's latent attention reads it dense.")
     return w
