@@ -370,3 +370,37 @@ def test_deepseek_reorders_and_dequantizes_gptq_projections() -> None:
     order = torch.randperm(n, generator=g)
     assert torch.allclose(project(x, _permute_rows(w, order, "t")), project(x, w)[:, order], atol=1e-5)
     assert torch.allclose(x @ _dense(w).t(), project(x, w), atol=1e-5)
+
+
+@pytest.mark.parametrize("family, scoring, settings", [
+    ("deepseek_v2", "softmax", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                    routed_scaling_factor=1.5)),
+    ("deepseek_v3", "sigmoid", dict(n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)),
+])
+def test_routing_matches_transformers_router(family: str, scoring: str, settings: Dict[str, Any]) -> None:
+    """Our routing against transformers' own router module on 64 random rows: the same experts with the same
+    weights (V2's group-limited greedy, which no fixture uses, included)."""
+    import transformers
+
+    from kobold_backend.engine.moe import RoutedExperts, Routing
+
+    cls = "DeepseekV2" if family == "deepseek_v2" else "DeepseekV3"
+    config = getattr(transformers, f"{cls}Config")(hidden_size=32, n_routed_experts=16, num_experts_per_tok=3,
+                                                   **settings)
+    module = getattr(transformers.models, family)
+    router = getattr(getattr(module, f"modeling_{family}"), f"{cls}TopkRouter")(config)
+    g = torch.Generator().manual_seed(9)
+    router.weight.data = torch.randn(16, 32, generator=g)
+    bias = None
+    if hasattr(router, "e_score_correction_bias"):
+        bias = torch.randn(16, generator=g) * 0.3
+        router.e_score_correction_bias.data = bias
+    x = torch.randn(64, 32, generator=g)
+    _, ref_w, ref_e = router(x)
+    ours = RoutedExperts(router.weight.data, None, None, None, 3, scoring == "sigmoid",  # type: ignore[arg-type]
+                         lambda a, b: a, Routing(scoring, settings["routed_scaling_factor"], 4, 2),
+                         correction_bias=bias)
+    w, e = ours.route(x)
+    order, ref_order = e.argsort(-1), ref_e.argsort(-1)
+    assert torch.equal(e.gather(1, order), ref_e.gather(1, ref_order))
+    assert torch.allclose(w.gather(1, order), ref_w.gather(1, ref_order), atol=1e-6)
