@@ -404,3 +404,40 @@ def test_routing_matches_transformers_router(family: str, scoring: str, settings
     order, ref_order = e.argsort(-1), ref_e.argsort(-1)
     assert torch.equal(e.gather(1, order), ref_e.gather(1, ref_order))
     assert torch.allclose(w.gather(1, order), ref_w.gather(1, ref_order), atol=1e-6)
+
+
+def test_deepseek_v3_checkpoint_with_its_mtp_layer_loads(archs, ours, tmp_path) -> None:
+    """A DeepSeek-V3 checkpoint stores its multi-token-prediction layer after the decoder's
+    (`num_nextn_predict_layers` 1): accepted and not read; the logits are those of the checkpoint without it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    built = archs.get("deepseek_v3")
+    folder = tmp_path / "with_mtp"
+    shutil.copytree(built.path, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    n = built.config["num_hidden_layers"]
+    tensors.update({k.replace(f"layers.{n - 1}.", f"layers.{n}."): v.clone() for k, v in tensors.items()
+                    if k.startswith(f"model.layers.{n - 1}.")})
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    lm = load_model(folder, device="cpu", max_seq_len=MAX_SEQ)
+    ids = prompt_ids(built, 12, seed=8)
+    ref = ours("deepseek_v3").model
+    assert len(lm.model.layers) == n
+    assert torch.equal(lm.model.forward(ids, lm.model.new_cache()), ref.forward(ids, ref.new_cache()))
+
+
+def test_gpt_oss_released_config_spelling_is_read(archs) -> None:
+    """The released config.json: `rope_scaling` and `rope_theta` (transformers 4 keys), `experts_per_token`."""
+    from kobold_backend.engine.config import ModelConfig
+
+    cfg = dict(archs.get("gpt_oss").config)
+    params = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = params.pop("rope_theta")
+    cfg["rope_scaling"] = params
+    cfg["experts_per_token"] = cfg.pop("num_experts_per_tok")
+    config = ModelConfig.from_dict(cfg)
+    ours = ModelConfig.from_dict(archs.get("gpt_oss").config)
+    assert config.features.ropes == ours.features.ropes and config.features.windows == ours.features.windows
+    assert config.rope_scaling.rope_type == "yarn" and not config.rope_scaling.truncate

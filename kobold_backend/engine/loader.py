@@ -209,10 +209,12 @@ def context_limit(config: ModelConfig, rope_alpha: float = 1.0, compress_pos_emb
 
 def check_against_headers(config: ModelConfig, reader: Union[WeightReader, GGUFWeights]) -> None:
     """config.json against the safetensors headers before anything is allocated from its sizes: the layer count
-    and the embedding shape must be those of the tensors in the files."""
+    and the embedding shape must be those of the tensors in the files. DeepSeek-V3's multi-token-prediction layers
+    (`num_nextn_predict_layers`, stored after the decoder's) may be present; they are not read."""
     layers = {int(name.split(".")[2]) for name in reader.names()
               if name.startswith("model.layers.") and name.split(".")[2].isdigit()}
-    if layers != set(range(config.num_layers)):
+    extra = int(config.raw.get("num_nextn_predict_layers") or 0)
+    if layers != set(range(config.num_layers)) and layers != set(range(config.num_layers + extra)):
         raise ModelFormatError(
             f"config.json says num_hidden_layers {config.num_layers} but the checkpoint in {reader.folder} holds "
             f"{len(layers)} layers.")

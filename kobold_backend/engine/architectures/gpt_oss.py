@@ -54,7 +54,7 @@ class GptOss(Architecture):
 
     def features(self, raw: Dict[str, Any], config: ConfigData, where: str) -> Features:
         experts = _positive_int(raw, "num_local_experts", where)
-        if _positive_int(raw, "num_experts_per_tok", where) > experts:
+        if _positive_int(raw, _top_k_key(raw), where) > experts:
             raise ModelFormatError(f"{where}: num_experts_per_tok exceeds the {experts} experts.")
         default = tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(config.num_layers))
         windows = layer_type_windows(raw, config, positive_window(raw.get("sliding_window"), where), default, where)
@@ -88,13 +88,18 @@ class GptOss(Architecture):
             gate_up=gate_up,
             up=up,
             down=down,
-            top_k=int(raw["num_experts_per_tok"]),
+            top_k=int(raw[_top_k_key(raw)]),
             renormalize=False,
             act=act,
             routing=Routing("topk_softmax"),
             router_bias=loader.dense("mlp.router.bias", (e,)),
             biases=biases,
         )
+
+
+def _top_k_key(raw: Dict[str, Any]) -> str:
+    """The released config.json also spells it `experts_per_token`."""
+    return "num_experts_per_tok" if "num_experts_per_tok" in raw else "experts_per_token"
 
 
 Stacks = Tuple[ExpertStack, Optional[ExpertStack], ExpertStack, ExpertBiases]
