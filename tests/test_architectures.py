@@ -348,7 +348,7 @@ PHI3 = dict(QWEN2, model_type="phi3", architectures=["Phi3ForCausalLM"], max_pos
     (dict(QWEN2, layer_types=["full_attention", "chunked_attention"]), ["chunked_attention"]),
     (dict(PHI3, partial_rotary_factor=0.75), ["partial_rotary_factor"]),
     (dict(PHI3, rope_scaling=dict(LONG_SHORT, type="longrope", short_factor=[1.0] * 3)), ["short_factor", "8"]),
-    (dict(PHI3, rope_scaling={"type": "yarn", "factor": 4.0}), ["yarn"]),
+    (dict(PHI3, rope_scaling={"type": "dynamic", "factor": 4.0}), ["dynamic"]),
 ])
 def test_unsupported_configs_name_their_problem(raw: dict, words: List[str]) -> None:
     from kobold_backend.engine.config import ModelConfig

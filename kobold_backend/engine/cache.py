@@ -57,6 +57,8 @@ def buffer_bytes(t: Any) -> int:
 class KVCache:
     """K and V of every layer as [batch, kv_heads, max_seq_len, head_dim], plus the ids they hold.
 
+    `value_dim` gives V another size per head than K (0: no values; DeepSeek's latent cache reads them from K).
+
     `cache_dtype` (a CACHE_DTYPES name) makes the buffers QuantizedKV, indexed and copied like those tensors.
 
     `seq_len` is how many positions are valid; `tokens` are the ids at those positions (batch row 0),
@@ -73,6 +75,7 @@ class KVCache:
         dtypes: Sequence[torch.dtype],
         devices: Sequence[torch.device | str],
         cache_dtype: str = "fp16",
+        value_dim: Optional[int] = None,
     ) -> None:
         if max_seq_len < 1:
             raise ValueError("max_seq_len must be at least 1")
@@ -81,8 +84,9 @@ class KVCache:
         self.cache_dtype = cache_dtype
         k_scheme, v_scheme = cache_schemes(cache_dtype)
         shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
+        v_shape = shape if value_dim is None else (batch_size, num_kv_heads, max_seq_len, value_dim)
         self.k: List[Any] = [_buffer(shape, k_scheme, dtypes[i], devices[i]) for i in range(num_layers)]
-        self.v: List[Any] = [_buffer(shape, v_scheme, dtypes[i], devices[i]) for i in range(num_layers)]
+        self.v: List[Any] = [_buffer(v_shape, v_scheme, dtypes[i], devices[i]) for i in range(num_layers)]
         self.seq_len = 0
         self.tokens: List[int] = []
 

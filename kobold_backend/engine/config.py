@@ -206,6 +206,8 @@ def _quant_config(raw: Dict[str, Any], folder: Optional[Path], where: str) -> Op
         return _awq_config(qc, where)
     if method == "exl2":
         return EXL2_QUANT
+    if method == "mxfp4":  # gpt-oss: only the experts are MXFP4, and their description reads them as stored
+        return None
     if method != "gptq":
         raise ModelFormatError(
             f"{where}: quantization method {method!r} is not supported; this engine runs 4-bit GPTQ, 4-bit AWQ, "

@@ -15,8 +15,9 @@ from kobold_backend.errors import ModelFormatError
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE scaling: "linear" (positions divided by factor), "llama3" (frequency-dependent) or "longrope"
-    (Phi-3: per-frequency short/long factors; `factor` is max_position_embeddings / original)."""
+    """RoPE scaling: "linear" (positions divided by factor), "llama3" (frequency-dependent), "longrope"
+    (Phi-3: per-frequency short/long factors; `factor` is max_position_embeddings / original) or "yarn"
+    (frequencies blended between interpolated and original across the `beta_fast`..`beta_slow` rotation band)."""
 
     rope_type: str
     factor: float = 1.0
@@ -26,6 +27,9 @@ class RopeScaling:
     short_factor: Tuple[float, ...] = ()
     long_factor: Tuple[float, ...] = ()
     attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -46,10 +50,12 @@ EXL2_QUANT = QuantConfig(bits=0, group_size=-1, sym=True, checkpoint_format="exl
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """One RoPE table: its base and its scaling (None: plain)."""
+    """One RoPE table: its base, its scaling (None: plain) and how many leading dimensions of a head it rotates
+    (0: all of head_dim; DeepSeek's MLA rotates only its `qk_rope_head_dim` part)."""
 
     theta: float
     scaling: Optional[RopeScaling] = None
+    dim: int = 0
 
     @property
     def attention_factor(self) -> float:
@@ -71,6 +77,9 @@ class Features:
     - `attn_softcap` / `final_softcap`: `c * tanh(x / c)` on attention scores / final logits (Gemma 2).
     - `windows`: per layer, the sliding-window length (None: full attention).
     - `ropes`: per layer, the RoPE table it uses (Gemma 3 local/global layers differ).
+    - `cache_shape`: (kv heads, key size, value size) of one cached position when the layers' attention objects
+      (Layer.attn, e.g. DeepSeek's latent attention) cache something else than num_kv_heads x head_dim K and V;
+      such caches are kept in the layers' dtype only (`quantized_cache` False).
     """
 
     biases: Tuple[str, ...] = ()
@@ -85,6 +94,12 @@ class Features:
     final_softcap: Optional[float] = None
     windows: Tuple[Optional[int], ...] = ()
     ropes: Tuple[RopeSpec, ...] = ()
+    cache_shape: Tuple[int, int, int] = (0, 0, 0)
+
+    @property
+    def quantized_cache(self) -> bool:
+        """Whether the 8/4-bit KV cache can hold this model's cache."""
+        return self.cache_shape == (0, 0, 0)
 
 
 @dataclass
@@ -169,8 +184,10 @@ def parse_rope_scaling(raw: Dict[str, Any], value: Any, head_dim: int, where: st
         )
     if kind in ("longrope", "su"):
         return _longrope(raw, value, head_dim, where)
+    if kind == "yarn":
+        return _yarn(raw, value)
     raise ModelFormatError(
-        f"{where}: rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope; "
+        f"{where}: rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope, yarn; "
         "NTK alpha is a load option)."
     )
 
@@ -196,3 +213,35 @@ def _longrope(raw: Dict[str, Any], value: Dict[str, Any], head_dim: int, where: 
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeScaling("longrope", factor=factor, original_max_position_embeddings=original,
                        short_factor=factors[0], long_factor=factors[1], attention_factor=float(attention))
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(raw: Dict[str, Any], value: Dict[str, Any]) -> RopeScaling:
+    """YaRN as transformers computes it: without `factor`, max_position_embeddings / original; the tables'
+    attention factor is `attention_factor`, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both
+    are given (DeepSeek), else 0.1 ln(factor) + 1."""
+    original = int(value.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+                   or raw.get("max_position_embeddings", 2048))
+    factor = float(value.get("factor") or int(raw.get("max_position_embeddings", 2048)) / original)
+    attention = value.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = value.get("mscale"), value.get("mscale_all_dim")
+        if mscale and mscale_all:
+            attention = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all))
+        else:
+            attention = _yarn_mscale(factor)
+    return RopeScaling("yarn", factor=factor, original_max_position_embeddings=original,
+                       attention_factor=float(attention), beta_fast=float(value.get("beta_fast") or 32),
+                       beta_slow=float(value.get("beta_slow") or 1), truncate=bool(value.get("truncate", True)))
+
+
+def yarn_softmax_scale(value: Any) -> float:
+    """What DeepSeek multiplies its softmax scale by under YaRN: mscale(factor, mscale_all_dim) squared (1 when the
+    scaling is not YaRN or has no mscale_all_dim)."""
+    if not isinstance(value, dict) or (value.get("rope_type") or value.get("type")) in (None, "default"):
+        return 1.0
+    mscale_all = value.get("mscale_all_dim") or 0
+    return _yarn_mscale(float(value.get("factor") or 1.0), float(mscale_all)) ** 2 if mscale_all else 1.0

@@ -144,14 +144,18 @@ class Sizes:
                 total += self.linear(name[: -len(".qweight")], elem, with_bias=False)
             elif name.endswith(".q_weight"):
                 total += self._exl2(name[: -len(".q_weight")])
-            elif name.endswith((".weight", ".bias")):
+            elif name.endswith("_blocks"):  # MXFP4 (gpt-oss's experts), dequantized at load: 32 values per 16 bytes
+                total += _numel(shape) * 2 * elem
+            elif name.endswith((".weight", ".bias", "_bias", "_proj", ".sinks")):  # incl. gpt-oss's stacked experts
                 total += _numel(shape) * elem
         return total
 
     def cache(self, elem: int) -> int:
         """K and V of one layer for max_seq_len positions, in the layer's dtype (`elem` bytes) or quantized."""
         c = self.config
-        per_token = cache_bytes_per_token(self.cache_dtype, c.num_kv_heads, c.head_dim, elem)
+        heads, key, value = c.features.cache_shape if c.features is not None else (0, 0, 0)
+        per_token = heads * (key + value) * elem if heads else \
+            cache_bytes_per_token(self.cache_dtype, c.num_kv_heads, c.head_dim, elem)
         return self.batch_size * self.max_seq_len * per_token
 
     def rope(self, elem: int) -> int:

@@ -142,6 +142,9 @@ def load_model(
         if seq_len < 1:
             raise ValueError(f"max_seq_len must be at least 1, not {seq_len}")
         check_against_headers(config, reader)
+        if not config.features.quantized_cache and cache_schemes(cache_dtype) != ("fp16", "fp16"):
+            raise ValueError(f"--cache-dtype {cache_dtype} cannot hold this model's latent attention cache, which is "
+                             "kept in the model's dtype: use --cache-dtype fp16")
         check_cache_dtype(cache_dtype, config.head_dim)
         per_layer = [resolve_device(d) for d in layer_devices] if layer_devices else [main] * config.num_layers
         check_cache_memory(config, per_layer, compute_dtype, seq_len, cache_dtype)
@@ -206,10 +209,12 @@ def context_limit(config: ModelConfig, rope_alpha: float = 1.0, compress_pos_emb
 
 def check_against_headers(config: ModelConfig, reader: Union[WeightReader, GGUFWeights]) -> None:
     """config.json against the safetensors headers before anything is allocated from its sizes: the layer count
-    and the embedding shape must be those of the tensors in the files."""
+    and the embedding shape must be those of the tensors in the files. DeepSeek-V3's multi-token-prediction layers
+    (`num_nextn_predict_layers`, stored after the decoder's) may be present; they are not read."""
     layers = {int(name.split(".")[2]) for name in reader.names()
               if name.startswith("model.layers.") and name.split(".")[2].isdigit()}
-    if layers != set(range(config.num_layers)):
+    extra = int(config.raw.get("num_nextn_predict_layers") or 0)
+    if layers != set(range(config.num_layers)) and layers != set(range(config.num_layers + extra)):
         raise ModelFormatError(
             f"config.json says num_hidden_layers {config.num_layers} but the checkpoint in {reader.folder} holds "
             f"{len(layers)} layers.")
@@ -230,10 +235,12 @@ def check_cache_memory(config: ModelConfig, per_layer: Sequence[torch.device], d
                        seq_len: int, cache_dtype: str = "fp16") -> None:
     """Refuse a context whose KV cache alone is larger than the free memory of a device it would go on."""
     need: Dict[torch.device, int] = {}
+    heads, key, value = config.features.cache_shape
     for dev in per_layer:
         size = torch.tensor([], dtype=_dtype_for(dev, dtype)).element_size()
-        need[dev] = need.get(dev, 0) + seq_len * cache_bytes_per_token(cache_dtype, config.num_kv_heads,
-                                                                       config.head_dim, size)
+        per_token = heads * (key + value) * size if heads else \
+            cache_bytes_per_token(cache_dtype, config.num_kv_heads, config.head_dim, size)
+        need[dev] = need.get(dev, 0) + seq_len * per_token
     for dev, nbytes in need.items():
         free = _available_bytes(dev)
         if free is not None and nbytes > free:
@@ -312,12 +319,14 @@ def _load_layer(ctx: LayerLoader, index: int) -> Layer:
     offset = config.features.norm_offset
     norms = {field_name: ctx.dense(f"{ckpt}.weight", (size,), offset)
              for field_name, (ckpt, size) in layout.norms.items()}
+    norms.update({field_name: ctx.dense(ckpt, shape) for field_name, (ckpt, shape) in layout.extras.items()})
     layer = Layer(
         q_proj=weights.get("q_proj"), k_proj=weights.get("k_proj"), v_proj=weights.get("v_proj"),
         o_proj=weights["o_proj"], gate_proj=weights.get("gate_proj"), up_proj=weights.get("up_proj"),
         down_proj=weights.get("down_proj"), qkv_proj=weights.get("qkv_proj"),
         gate_up_proj=weights.get("gate_up_proj"), device=ctx.device, out_features=out_features,
-        biases=biases, mlp=arch.build_mlp(ctx, config, index), **norms,
+        biases=biases, mlp=arch.build_mlp(ctx, config, index), attn=arch.build_attention(ctx, config, index),
+        **norms,
     )
     fold_down_permutation(layer)
     layer.fuse()

@@ -72,7 +72,9 @@ class Layer:
     `post_norm` is the norm in front of the MLP. The optional tensors are set only by architectures that use them:
     `q_norm`/`k_norm` (per-head RMSNorm weights [head_dim]), `attn_out_norm`/`mlp_out_norm` (norms on the attention
     and MLP outputs before the residual add), `biases` (dense projections' biases by projection name; GPTQ layers
-    keep theirs), and `mlp`, a routed MLP object called as `mlp(x, index, passthrough)` instead of gate/up/down.
+    keep theirs), `sinks` (per-head attention-sink logits [num_heads], gpt-oss), `attn`, an attention object
+    (engine/mla.py) called instead of q/k/v, and `mlp`, a routed MLP object called as `mlp(x, index, passthrough)`
+    instead of gate/up/down.
     `mlp_perm` is set when an act-order down_proj's input permutation was folded into gate/up's outputs
     (engine/mlp_fold.py): the intermediate is stored in that order, feature j being the checkpoint's mlp_perm[j].
     """
@@ -97,10 +99,12 @@ class Layer:
     biases: Dict[str, torch.Tensor] = field(default_factory=dict)
     mlp: Optional[Any] = None
     mlp_perm: Optional[torch.Tensor] = None
+    sinks: Optional[torch.Tensor] = None
+    attn: Optional[Any] = None
 
     PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "qkv_proj", "gate_up_proj")
-    NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
+    NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "sinks")
 
     def weight(self, name: str) -> Weight:
         """The weight of one projection (a copy of its columns of the fused weight when it was fused), as
@@ -157,6 +161,8 @@ class Layer:
             yield self.mlp_perm
         if self.mlp is not None:
             yield from self.mlp.tensors()
+        if self.attn is not None:
+            yield from self.attn.tensors()
 
 
 class Model:
@@ -202,15 +208,22 @@ class Model:
         n = max_seq_len or self.max_seq_len
         if n > self.max_seq_len:
             raise ValueError(f"a cache of {n} positions exceeds the RoPE tables of {self.max_seq_len}")
+        heads, key, value = self.features.cache_shape
+        if not heads:
+            heads, key, value = self.config.num_kv_heads, self.config.head_dim, self.config.head_dim
+        elif (cache_dtype or self.cache_dtype) != "fp16":
+            raise ValueError("this model's latent attention cache is kept in the model's dtype only (cache dtype "
+                             "fp16)")
         return KVCache(
             num_layers=len(self.layers),
             batch_size=batch_size,
-            num_kv_heads=self.config.num_kv_heads,
+            num_kv_heads=heads,
             max_seq_len=n,
-            head_dim=self.config.head_dim,
+            head_dim=key,
             dtypes=[layer.input_norm.dtype for layer in self.layers],
             devices=[layer.device for layer in self.layers],
             cache_dtype=cache_dtype or self.cache_dtype,
+            value_dim=value,
         )
 
     @torch.inference_mode()
@@ -241,7 +254,8 @@ class Model:
     @torch.inference_mode()
     def shift_cache(self, cache: KVCache, start: int, drop: int) -> None:
         """Remove positions [start, start+drop) from the cache in place: later positions move left by `drop`
-        and their keys are re-rotated by -drop positions, so they read as if computed at their new place.
+        and their keys are re-rotated by -drop positions, so they read as if computed at their new place (only the
+        keys' last RoPE-table-width values where a table rotates part of the key: DeepSeek's latent cache).
 
         A quantized cache (ops/kv_quant.QuantizedKV) moves the values' bytes as they are and re-quantizes the
         re-rotated keys from their dequantized float32 values (`.float()` / `.copy_` of a float tensor)."""
@@ -254,8 +268,10 @@ class Model:
             # the tables carry the RoPE attention factor (LongRoPE); a pure rotation must not apply it again
             cos = self.cos[index][drop].float() / self.rope_factors[index]
             sin = self.sin[index][drop].float() / self.rope_factors[index]
-            src = k[:, :, start + drop : end].float()
-            k[:, :, start : start + moved].copy_(src * cos - rotate_half(src) * sin)
+            src = k[:, :, start + drop : end].float().clone()
+            part = src[..., -cos.shape[-1]:]
+            src[..., -cos.shape[-1]:] = part * cos - rotate_half(part) * sin
+            k[:, :, start : start + moved].copy_(src)
             v[:, :, start : start + moved].copy_(v[:, :, start + drop : end].clone())
         cache.seq_len = start + moved
         del cache.tokens[start : start + drop]
@@ -295,28 +311,12 @@ class Model:
     ) -> torch.Tensor:
         cfg = self.config
         eps = cfg.rms_norm_eps
-        b, t, _ = h.shape
         x = ops.rms_norm(h, layer.input_norm, eps)
-        qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = self._projs(index, layer, "qkv_proj", QKV, (qd, kvd, kvd), x, passthrough)
-        q = q.view(b, t, cfg.num_heads, cfg.head_dim)
-        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        if layer.q_norm is not None and layer.k_norm is not None:
-            q = ops.rms_norm(q, layer.q_norm, eps)
-            k = ops.rms_norm(k, layer.k_norm, eps)
-        k_cache, v_cache = cache.k[index], cache.v[index]
-        window, cap = self.windows[index], self.features.attn_softcap
-        if pos_t is not None:
-            q = ops.rope_cache_write_at(q, k, v, self.cos[index], self.sin[index], pos_t, k_cache, v_cache)
-            a = ops.decode_attention_rows(q, k_cache, v_cache, pos_t, length, self.scale, window=window, softcap=cap)
-        elif t == 1:
-            q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
-            a = ops.decode_attention(q[:, 0], k_cache, v_cache, pos + 1, self.scale, window=window, softcap=cap)
+        if layer.attn is not None:
+            a = layer.attn(x, cache.k[index], self.cos[index], self.sin[index], pos, self.scale, pos_t, length)
         else:
-            q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
-            a = ops.attention(q, k_cache, v_cache, pos, self.scale, window=window, softcap=cap)
-        a = self._proj(index, layer, "o_proj", a.reshape(b, t, cfg.num_heads * cfg.head_dim), passthrough)
+            a = self._attention(index, layer, x, cache, pos, passthrough, pos_t, length)
+        a = self._proj(index, layer, "o_proj", a, passthrough)
         if layer.attn_out_norm is not None:
             a = ops.rms_norm(a, layer.attn_out_norm, eps)
         x, h = ops.add_rms_norm(a, h, layer.post_norm, eps)
@@ -329,6 +329,44 @@ class Model:
         if layer.mlp_out_norm is not None:
             out = ops.rms_norm(out, layer.mlp_out_norm, eps)
         return h + out
+
+    def _attention(
+        self,
+        index: int,
+        layer: Layer,
+        x: torch.Tensor,
+        cache: KVCache,
+        pos: int,
+        passthrough: Optional[ForwardHooks],
+        pos_t: Optional[torch.Tensor],
+        length: int,
+    ) -> torch.Tensor:
+        """q/k/v attention of normed x [B, T, hidden] -> [B, T, heads * head_dim], writing the cache."""
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        b, t, _ = x.shape
+        qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = self._projs(index, layer, "qkv_proj", QKV, (qd, kvd, kvd), x, passthrough)
+        q = q.view(b, t, cfg.num_heads, cfg.head_dim)
+        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = ops.rms_norm(q, layer.q_norm, eps)
+            k = ops.rms_norm(k, layer.k_norm, eps)
+        k_cache, v_cache = cache.k[index], cache.v[index]
+        window, cap = self.windows[index], self.features.attn_softcap
+        if pos_t is not None:
+            q = ops.rope_cache_write_at(q, k, v, self.cos[index], self.sin[index], pos_t, k_cache, v_cache)
+            a = ops.decode_attention_rows(q, k_cache, v_cache, pos_t, length, self.scale, window=window, softcap=cap,
+                                          sinks=layer.sinks)
+        elif t == 1:
+            q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
+            a = ops.decode_attention(q[:, 0], k_cache, v_cache, pos + 1, self.scale, window=window, softcap=cap,
+                                     sinks=layer.sinks)
+        else:
+            q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
+            a = ops.attention(q, k_cache, v_cache, pos, self.scale, window=window, softcap=cap, sinks=layer.sinks)
+        return a.reshape(b, t, cfg.num_heads * cfg.head_dim)
 
     @staticmethod
     def _proj(index: int, layer: Layer, name: str, x: torch.Tensor,

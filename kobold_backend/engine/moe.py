@@ -10,9 +10,15 @@ be gathered with device-side indices. Two execution paths, same math:
   copied by device index into a buffer and each (token, slot) pair runs against its copy. The choice never reaches
   the host, so a decode step stays capturable in a CUDA graph, and only the routed experts' weights are read.
 
-Routing follows transformers: softmax over the router logits in float32, top-k, optional renormalisation of the k
-weights to sum 1 (always for Mixtral, `norm_topk_prob` for Qwen3-MoE), cast to the compute dtype; an expert's output
-is down(act(gate(x)) * up(x)) scaled by its routing weight, summed over the k experts.
+Routing follows transformers, in float32, by `Routing.scoring`:
+- "softmax" (Mixtral, Qwen3-MoE, DeepSeek-V2): softmax over the router logits, top-k, optional renormalisation of
+  the k weights to sum 1 (always for Mixtral, `norm_topk_prob` for Qwen3-MoE);
+- "topk_softmax" (gpt-oss): top-k of the (biased) router logits, softmax over those k;
+- "sigmoid" (DeepSeek-V3): sigmoid scores; the choice ranks scores + `correction_bias`, restricted to the
+  `topk_group` best of `n_group` expert groups (a group ranked by the sum of its two best), the weights are the
+  plain scores of the chosen, optionally renormalised.
+Weights are then multiplied by `scale` (DeepSeek's routed_scaling_factor) and cast to the compute dtype; an expert's
+output is down(act(gate(x) [+ b], up(x) [+ b])) [+ b] scaled by its routing weight, summed over the k experts.
 """
 
 from __future__ import annotations
@@ -124,9 +130,55 @@ def stack_expert_mlps(gates: Sequence[Weight], ups: Sequence[Weight],
     return ExpertStack.stack(gates), ExpertStack.stack(ups), ExpertStack.stack(downs)
 
 
+@dataclass(frozen=True)
+class Routing:
+    """How a router's logits pick experts (see the module docstring); the defaults are Mixtral's softmax."""
+
+    scoring: str = "softmax"  # "softmax" | "topk_softmax" | "sigmoid"
+    scale: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+
+
+@dataclass
+class ExpertBiases:
+    """Per-expert output biases (gpt-oss): `gate_up` [E, width of the gate_up stack], `up` [E, I] when up is not
+    fused, `down` [E, H]."""
+
+    gate_up: torch.Tensor
+    up: Optional[torch.Tensor]
+    down: torch.Tensor
+
+    def pick(self, index: torch.Tensor) -> ExpertBiases:
+        up = None if self.up is None else self.up.index_select(0, index)
+        return ExpertBiases(self.gate_up.index_select(0, index), up, self.down.index_select(0, index))
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        yield from (t for t in (self.gate_up, self.up, self.down) if t is not None)
+
+
+@dataclass
+class DenseMLP:
+    """An always-on dense MLP beside the routed experts (DeepSeek's shared experts): down(act(gate(x), up(x)))."""
+
+    gate: Weight
+    up: Weight
+    down: Weight
+    act: Activation
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _project(self.act(_project(x, self.gate), _project(x, self.up)), self.down)
+
+    def tensors(self) -> Iterator[Any]:
+        yield from (self.gate, self.up, self.down)
+
+
 @dataclass
 class RoutedExperts:
-    """A sparse MoE block. `gate_up` holds [gate; up] fused when `up` is None, else only the gate projection."""
+    """A sparse MoE block. `gate_up` holds [gate; up] fused when `up` is None, else only the gate projection.
+
+    `router_bias` [E] is added to the logits (gpt-oss); `correction_bias` [E] biases the choice only (DeepSeek-V3);
+    `shared` is an always-on dense MLP added to the routed output (DeepSeek's shared experts)."""
 
     router: Weight  # [E, H]: router logits = x @ router^T
     gate_up: ExpertStack
@@ -135,6 +187,11 @@ class RoutedExperts:
     top_k: int
     renormalize: bool
     act: Activation  # act(gate, up) -> act(gate) * up
+    routing: Routing = Routing()
+    router_bias: Optional[torch.Tensor] = None
+    correction_bias: Optional[torch.Tensor] = None
+    biases: Optional[ExpertBiases] = None
+    shared: Optional[DenseMLP] = None
 
     @property
     def num_experts(self) -> int:
@@ -142,18 +199,49 @@ class RoutedExperts:
 
     def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(weights [M, k] in x's dtype, expert ids [M, k]) for rows x [M, H]."""
-        probs = torch.softmax(_project(x, self.router).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
+        logits = _project(x, self.router).float()
+        if self.router_bias is not None:
+            logits = logits + self.router_bias.float()
+        scoring = self.routing.scoring
+        if scoring == "topk_softmax":
+            top, experts = logits.topk(self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        elif scoring == "sigmoid":
+            weights, experts = self._grouped_choice(torch.sigmoid(logits))
+        else:
+            weights, experts = self._grouped_choice(torch.softmax(logits, dim=-1))
+        if self.renormalize and scoring != "topk_softmax":
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if scoring == "sigmoid" else 0.0))
+        return (weights * self.routing.scale).to(x.dtype), experts
+
+    def _grouped_choice(self, scores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Top-k of `scores` (+ correction bias) within the best `topk_group` of `n_group` groups; the weights are
+        the scores themselves."""
+        choice = scores if self.correction_bias is None else scores + self.correction_bias.float()
+        groups = self.routing.n_group
+        if groups > 1:
+            m, e = choice.shape
+            per_group = choice.view(m, groups, e // groups)
+            # DeepSeek-V3 ranks a group by its two best biased scores, V2 by its best
+            rank = per_group.topk(min(2, e // groups), dim=-1).values.sum(-1) if self.routing.scoring == "sigmoid" \
+                else per_group.max(dim=-1).values
+            keep = torch.zeros_like(rank).scatter_(1, rank.topk(self.routing.topk_group, dim=-1).indices, 1.0)
+            choice = choice.masked_fill(keep.repeat_interleave(e // groups, dim=1) == 0, float("-inf"))
+        experts = choice.topk(self.top_k, dim=-1).indices
+        return scores.gather(1, experts), experts
 
     def tensors(self) -> Iterator[Any]:
-        """Every weight held (for Model.nbytes): the router (a tensor or a GPTQWeight) and the stacks' tensors."""
+        """Every weight held (for Model.nbytes): the router (a tensor or a GPTQWeight), biases, the stacks' tensors
+        and the shared experts'."""
         yield self.router
+        yield from (t for t in (self.router_bias, self.correction_bias) if t is not None)
+        if self.biases is not None:
+            yield from self.biases.tensors()
         for stack in (self.gate_up, self.up, self.down):
             if stack is not None:
                 yield from stack.tensors()
+        if self.shared is not None:
+            yield from self.shared.tensors()
 
     def unread_bytes_per_token(self) -> int:
         """Bytes of the experts one token does not read (all but top_k of them): for decode rooflines."""
@@ -172,14 +260,25 @@ class RoutedExperts:
             out = self._gathered(rows, weights, experts)
         else:
             out = self._grouped(rows, weights, experts)
+        if self.shared is not None:
+            out = out + self.shared(rows)
         return out.view(shape)
 
-    def _mlp(self, x: torch.Tensor, gate_up: Weight, up: Optional[Weight], down: Weight) -> torch.Tensor:
-        if up is None:
-            gate, upv = _project(x, gate_up).chunk(2, dim=-1)
+    def _mlp(self, x: torch.Tensor, gate_up: Weight, up: Optional[Weight], down: Weight,
+             biases: Optional[ExpertBiases] = None, e: int = 0) -> torch.Tensor:
+        """One expert on rows x; `biases`' row `e` are its biases."""
+        gu = _project(x, gate_up)
+        upv = None if up is None else _project(x, up)
+        if biases is not None:
+            gu = gu + biases.gate_up[e]
+            if upv is not None and biases.up is not None:
+                upv = upv + biases.up[e]
+        if upv is None:
+            gate, upv = gu.chunk(2, dim=-1)
         else:
-            gate, upv = _project(x, gate_up), _project(x, up)
-        return _project(self.act(gate, upv), down)
+            gate = gu
+        out = _project(self.act(gate, upv), down)
+        return out if biases is None else out + biases.down[e]
 
     def _grouped(self, rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         flat = experts.reshape(-1)
@@ -195,7 +294,7 @@ class RoutedExperts:
             start += count
             token = pairs // self.top_k
             up = None if self.up is None else self.up.expert(e)
-            y = self._mlp(rows.index_select(0, token), self.gate_up.expert(e), up, self.down.expert(e))
+            y = self._mlp(rows.index_select(0, token), self.gate_up.expert(e), up, self.down.expert(e), self.biases, e)
             out.index_add_(0, token, y * slot_weight.index_select(0, pairs).unsqueeze(-1))
         return out
 
@@ -205,7 +304,8 @@ class RoutedExperts:
         gate_up = self.gate_up.gather(flat)
         up = None if self.up is None else self.up.gather(flat)
         down = self.down.gather(flat)
+        biases = None if self.biases is None else self.biases.pick(flat)
         outs = [self._mlp(rows[j // k : j // k + 1], gate_up.expert(j), None if up is None else up.expert(j),
-                          down.expert(j)) for j in range(m * k)]
+                          down.expert(j), biases, j) for j in range(m * k)]
         y = torch.cat(outs, dim=0) * weights.reshape(-1, 1)
         return y.view(m, k, -1).sum(dim=1)

@@ -1,4 +1,4 @@
-"""Rotary position embedding tables: inverse frequencies with linear, llama3, LongRoPE and NTK-alpha scaling.
+"""Rotary position embedding tables: inverse frequencies with linear, llama3, LongRoPE, YaRN and NTK-alpha scaling.
 
 A model may use several tables (Gemma 3's local and global layers); each layer's `RopeSpec` says which.
 LongRoPE (Phi-3) picks its short or long factors once per table, by the table's length: transformers switches
@@ -15,14 +15,15 @@ import torch
 
 from kobold_backend.engine.architectures import RopeSpec
 from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.config_types import RopeScaling
 
 
 def inverse_frequencies(
     config: ModelConfig, rope_alpha: float = 1.0, rope: Optional[RopeSpec] = None, max_seq_len: int = 0
 ) -> torch.Tensor:
-    """Per-pair inverse frequencies (fp64 on CPU) after NTK alpha, llama3 and LongRoPE scaling."""
+    """Per-pair inverse frequencies (fp64 on CPU) after NTK alpha, llama3, LongRoPE and YaRN scaling."""
     rope = rope or RopeSpec(config.rope_theta, config.rope_scaling)
-    d = config.head_dim
+    d = rope.dim or config.head_dim
     base = rope.theta
     if rope_alpha != 1.0:
         base = base * rope_alpha ** (d / (d - 2))
@@ -42,7 +43,26 @@ def inverse_frequencies(
         inv = torch.where(wavelen > low_wavelen, inv / scaling.factor, inv)
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(is_mid, mid, inv)
+    if scaling is not None and scaling.rope_type == "yarn":
+        inv = _yarn(inv, base, d, scaling)
     return inv
+
+
+def _yarn(inv: torch.Tensor, base: float, d: int, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN: frequencies rotating more than `beta_fast` times over the original context keep their value, those
+    rotating fewer than `beta_slow` times are divided by the factor, with a linear ramp between (over pair
+    indices, bounds floored/ceiled unless `truncate` is false), as transformers computes it."""
+    def pair_index(rotations: float) -> float:
+        return d * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_index(scaling.beta_fast), pair_index(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv / scaling.factor * ramp + inv * (1 - ramp)
 
 
 def cos_sin_tables(

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "add_rms_norm",
     "attention",
+    "clamped_swiglu_mul",
     "decode_attention",
     "decode_attention_at",
     "decode_attention_rows",
@@ -134,15 +135,17 @@ def decode_attention_at(
     scale: float,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     if _quantized(k_cache, v_cache):
-        return kv_quant.decode_attention_at(q, k_cache, v_cache, pos, length, scale, window, softcap)
+        return kv_quant.decode_attention_at(q, k_cache, v_cache, pos, length, scale, window, softcap, sinks)
     k = _kernels(q)
-    if k is None or q.is_cuda or window is not None or softcap is not None:
+    if k is None or q.is_cuda or window is not None or softcap is not None or sinks is not None or \
+            v_cache.shape[-1] != q.shape[-1]:
         # On the H200, inside a CUDA graph, torch's batched matmuls beat the native flash-decoding kernel at every
         # length measured (8 vs 35 us at 128 positions, 27 vs 75 us at 4000; docs/performance.md). A sliding
         # window's start depends on the device position, which the torch definition masks on the device.
-        return reference.decode_attention_at(q, k_cache, v_cache, pos, length, scale, window, softcap)
+        return reference.decode_attention_at(q, k_cache, v_cache, pos, length, scale, window, softcap, sinks)
     return k.decode_attention_at(q, k_cache, v_cache, pos, length, scale)
 
 
@@ -155,14 +158,16 @@ def decode_attention_rows(
     scale: float,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """T query rows [B, T, Hq, D] at the device positions pos..pos+T-1, each over the cached positions up to its
-    own (a speculative verification forward in a CUDA graph); one row is decode_attention_at's case."""
+    own (a speculative verification or a chat turn in a CUDA graph); one row is decode_attention_at's case."""
     if q.shape[1] == 1:
-        return decode_attention_at(q[:, 0], k_cache, v_cache, pos, length, scale, window, softcap).unsqueeze(1)
+        return decode_attention_at(q[:, 0], k_cache, v_cache, pos, length, scale, window, softcap,
+                                   sinks).unsqueeze(1)
     if _quantized(k_cache, v_cache):
-        return kv_quant.decode_attention_rows(q, k_cache, v_cache, pos, length, scale, window, softcap)
-    return reference.decode_attention_rows(q, k_cache, v_cache, pos, length, scale, window, softcap)
+        return kv_quant.decode_attention_rows(q, k_cache, v_cache, pos, length, scale, window, softcap, sinks)
+    return reference.decode_attention_rows(q, k_cache, v_cache, pos, length, scale, window, softcap, sinks)
 
 
 def decode_attention(
@@ -173,13 +178,16 @@ def decode_attention(
     scale: float,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """One query row against cached positions [seq_len - window, seq_len) (all of them without a window)."""
+    """One query row against cached positions [seq_len - window, seq_len) (all of them without a window).
+
+    Soft-capping, attention sinks and values of another head size than the keys take the torch definition."""
     if _quantized(k_cache, v_cache):
-        return kv_quant.decode_attention(q, k_cache, v_cache, seq_len, scale, window, softcap)
+        return kv_quant.decode_attention(q, k_cache, v_cache, seq_len, scale, window, softcap, sinks)
     k = _kernels(q)
-    if k is None or softcap is not None:
-        return reference.decode_attention(q, k_cache, v_cache, seq_len, scale, window, softcap)
+    if k is None or softcap is not None or sinks is not None or v_cache.shape[-1] != q.shape[-1]:
+        return reference.decode_attention(q, k_cache, v_cache, seq_len, scale, window, softcap, sinks)
     if window is not None and seq_len > window:
         # the kernels read the cache through strides, so the window is a view starting at its first position
         start = seq_len - window
@@ -195,11 +203,12 @@ def attention(
     scale: float,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of a prompt chunk q [B, T, Hq, D] at positions pos.. over the cache (reference.attention)."""
     if _quantized(k_cache, v_cache):
-        return kv_quant.attention(q, k_cache, v_cache, pos, scale, window, softcap)
-    return reference.attention(q, k_cache, v_cache, pos, scale, window, softcap)
+        return kv_quant.attention(q, k_cache, v_cache, pos, scale, window, softcap, sinks)
+    return reference.attention(q, k_cache, v_cache, pos, scale, window, softcap, sinks)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -209,3 +218,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return reference.gelu_tanh_mul(gate, up)
+
+
+def clamped_swiglu_mul(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    return reference.clamped_swiglu_mul(gate, up, alpha, limit)

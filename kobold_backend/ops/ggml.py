@@ -17,6 +17,8 @@ Block layouts (bytes, little-endian; `d`, `m`, `dmin` are fp16):
 - Q5_K (176 B / 256): d, dmin, scales[12], qh[32] (bit i of byte l is sub-block i's element l), q[128] as Q4_K.
 - Q6_K (210 B / 256): ql[128], qh[64], int8 scales[16], d; 128-element halves, each of four 32-element rows built
   from ql's low/high nibbles and qh's 2-bit pairs; w = (d * sc) * (q - 32) with one scale per 16 elements.
+- MXFP4 (17 B / 32, gpt-oss's experts): e (uint8, e8m0), q[16] E2M1 codes as Q4_0's nibbles; w = 2 * E2M1(q) *
+  2^(e - 128). No native kernel reads it: matmuls dequantize in torch.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ GGML_TYPES: Dict[int, Tuple[str, int, int]] = {
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
     30: ("BF16", 1, 2),
+    39: ("MXFP4", 32, 17),
 }
 TYPE_IDS: Dict[str, int] = {name: tid for tid, (name, _, _) in GGML_TYPES.items()}
 # The block types the native kernels read (csrc/include/ggml_blocks.h); F32/F16/BF16 stay dense torch tensors.
@@ -170,9 +173,19 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(n, 256)
 
 
+# E2M1 codes doubled (ggml's kvalues_mxfp4): the block's e8m0 scale is then taken as 2^(e - 128), half of 2^(e - 127)
+_MXFP4_VALUES = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    lut = torch.tensor(_MXFP4_VALUES, dtype=torch.float32, device=b.device)
+    scale = torch.ldexp(torch.ones_like(b[:, :1], dtype=torch.float32), b[:, :1].to(torch.int32) - 128)
+    return lut[_nibbles(b[:, 1:]).long()] * scale
+
+
 _BLOCK_DEQUANT: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
-    "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
+    "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4,
 }
 
 

@@ -228,44 +228,48 @@ def _dense(cache: Any, end: int) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k_cache: Any, v_cache: Any, pos: int, scale: float,
-              window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
+              window: Optional[int] = None, softcap: Optional[float] = None,
+              sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """reference.attention for a prompt chunk: the attended positions [0, pos + T) dequantized once per call."""
     n = pos + q.shape[1]
-    return reference.attention(q, _dense(k_cache, n), _dense(v_cache, n), pos, scale, window, softcap)
+    return reference.attention(q, _dense(k_cache, n), _dense(v_cache, n), pos, scale, window, softcap, sinks)
 
 
 def decode_attention(q: torch.Tensor, k_cache: Any, v_cache: Any, seq_len: int, scale: float,
-                     window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
-    """One query row [B, Hq, D] against the first seq_len quantized positions."""
-    out = _native_call(q, k_cache, v_cache, seq_len, None, scale, window, softcap)
+                     window: Optional[int] = None, softcap: Optional[float] = None,
+                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One query row [B, Hq, D] against the first seq_len quantized positions (the kernels have no sinks)."""
+    out = None if sinks is not None else _native_call(q, k_cache, v_cache, seq_len, None, scale, window, softcap)
     if out is not None:
         return out
     return reference.decode_attention(q, _dense(k_cache, seq_len), _dense(v_cache, seq_len), seq_len, scale,
-                                      window, softcap)
+                                      window, softcap, sinks)
 
 
 def decode_attention_at(q: torch.Tensor, k_cache: Any, v_cache: Any, pos: torch.Tensor, length: int, scale: float,
-                        window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
+                        window: Optional[int] = None, softcap: Optional[float] = None,
+                        sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """decode_attention over the first `length` positions, those after the device tensor `pos` masked."""
-    out = _native_call(q, k_cache, v_cache, length, pos, scale, window, softcap)
+    out = None if sinks is not None else _native_call(q, k_cache, v_cache, length, pos, scale, window, softcap)
     if out is not None:
         return out
     return reference.decode_attention_at(q, _dense(k_cache, length), _dense(v_cache, length), pos, length, scale,
-                                         window, softcap)
+                                         window, softcap, sinks)
 
 
 def decode_attention_rows(q: torch.Tensor, k_cache: Any, v_cache: Any, pos: torch.Tensor, length: int,
-                          scale: float, window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
+                          scale: float, window: Optional[int] = None, softcap: Optional[float] = None,
+                          sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """reference.decode_attention_rows over quantized caches: each row of q [B, T, Hq, D] through the native
-    one-row kernel at its own device position where one is loaded, else the first `length` positions dequantized
-    once for all rows."""
+    one-row kernel at its own device position where one is loaded (no sinks), else the first `length` positions
+    dequantized once for all rows."""
     at = reference.row_positions(pos, q.shape[1])
-    rows = [_native_call(q[:, i], k_cache, v_cache, length, at[i : i + 1], scale, window, softcap)
-            for i in range(q.shape[1])]
+    rows = [None if sinks is not None else _native_call(q[:, i], k_cache, v_cache, length, at[i : i + 1], scale,
+                                                        window, softcap) for i in range(q.shape[1])]
     if all(r is not None for r in rows):
         return torch.stack(rows, dim=1)  # type: ignore[arg-type]
     return reference.decode_attention_rows(q, _dense(k_cache, length), _dense(v_cache, length), pos, length, scale,
-                                           window, softcap)
+                                           window, softcap, sinks)
 
 
 def _native_call(q: torch.Tensor, k_cache: Any, v_cache: Any, length: int, pos: Optional[torch.Tensor],

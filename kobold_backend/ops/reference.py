@@ -91,11 +91,14 @@ def attention(
     scale: float,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Causal attention of q [B, T, Hq, D] (positions pos..pos+T-1) over cache[:, :, :pos+T].
+    """Causal attention of q [B, T, Hq, D] (positions pos..pos+T-1) over cache[:, :, :pos+T] (values may have
+    their own head size).
 
     `window` w: query i sees keys j with i - w < j <= i (sliding window, as transformers masks it);
-    `softcap` c: scores become c * tanh(scores / c) before the mask (Gemma 2)."""
+    `softcap` c: scores become c * tanh(scores / c) before the mask (Gemma 2);
+    `sinks` [Hq]: one learned logit per head joins the softmax's denominator and attends to nothing (gpt-oss)."""
     b, t, hq, d = q.shape
     hkv = k_cache.shape[1]
     n = pos + t
@@ -107,22 +110,33 @@ def attention(
         v = v.repeat_interleave(hq // hkv, dim=1)
     windowed = window is not None and n - start > window
     mask = None
-    if (t > 1 and pos > 0) or windowed or softcap is not None:
+    explicit = softcap is not None or sinks is not None
+    if (t > 1 and pos > 0) or windowed or explicit:
         rows = torch.arange(pos, n, device=q.device).view(t, 1)
         cols = torch.arange(start, n, device=q.device).view(1, n - start)
         mask = cols <= rows
         if windowed:
             mask = mask & (cols > rows - window)  # type: ignore[operator]
-    if softcap is not None:
+    if explicit:
         scores = torch.matmul(q.transpose(1, 2).float(), k.float().transpose(-1, -2)) * scale
-        scores = torch.tanh(scores / softcap) * softcap
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # type: ignore[operator]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        probs = _softmax(scores.masked_fill(~mask, float("-inf")), sinks)  # type: ignore[operator]
         return torch.matmul(probs, v.float()).to(q.dtype).transpose(1, 2)
     with _sdpa_backends(q.device):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k, v, attn_mask=mask, is_causal=(mask is None and t > 1), scale=scale
         )
     return out.transpose(1, 2)
+
+
+def _softmax(scores: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """softmax over the last axis of float32 scores [B, H, T, N]; with `sinks` [H], each head's sink logit joins
+    the denominator (its probability is dropped)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 def _sdpa_backends(device: torch.device) -> ContextManager[object]:
@@ -145,9 +159,10 @@ def decode_attention(
     scale: float,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D] against the first seq_len cached positions (the last `window` of them) -> [B, Hq, D]."""
-    return attention(q.unsqueeze(1), k_cache, v_cache, seq_len - 1, scale, window, softcap).squeeze(1)
+    """q [B, Hq, D] against the first seq_len cached positions (the last `window` of them) -> [B, Hq, Dv]."""
+    return attention(q.unsqueeze(1), k_cache, v_cache, seq_len - 1, scale, window, softcap, sinks).squeeze(1)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -157,6 +172,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gelu(gate) (tanh approximation, transformers' gelu_pytorch_tanh) * up."""
     return F.gelu(gate, approximate="tanh") * up
+
+
+def clamped_swiglu_mul(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gated unit: gate clamped above at `limit`, up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1)."""
+    gate = gate.clamp(max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up.clamp(-limit, limit) + 1)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -198,6 +220,7 @@ def decode_attention_at(
     scale: float,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """decode_attention over cache[:, :, :length] with positions after the device tensor `pos` masked, and with
     a `window`, positions at or before `pos - window` too (the window start is computed on the device, so a
@@ -214,8 +237,12 @@ def decode_attention_at(
     masked = cols > pos
     if window is not None and length > window:
         masked = masked | (cols <= pos - window)
-    probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).view(b, hq, d)
+    scores = scores.masked_fill(masked, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    else:
+        probs = _softmax(scores.view(b, hq, 1, length), sinks).view(scores.shape).to(v.dtype)
+    return torch.matmul(probs, v).view(b, hq, v.shape[-1])
 
 
 def decode_attention_rows(
@@ -227,10 +254,11 @@ def decode_attention_rows(
     scale: float,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """decode_attention_at for T query rows q [B, T, Hq, D] at positions pos..pos+T-1 (a verification forward):
     row i sees the cached positions up to pos + i (with a window, only those after pos + i - window); returns
-    [B, T, Hq, D]."""
+    [B, T, Hq, Dv]."""
     b, t, hq, d = q.shape
     hkv = k_cache.shape[1]
     g = hq // hkv
@@ -245,6 +273,11 @@ def decode_attention_rows(
     masked = cols > last
     if window is not None and length > window:
         masked = masked | (cols <= last - window)
-    probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v).view(b, hkv, t, g, d)
-    return out.permute(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+    scores = scores.masked_fill(masked, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # per query head: [B, Hkv, T, G, N] -> [B, Hq, T, N] and back
+        by_head = scores.view(b, hkv, t, g, length).permute(0, 1, 3, 2, 4).reshape(b, hq, t, length)
+        probs = _softmax(by_head, sinks).view(b, hkv, g, t, length).permute(0, 1, 3, 2, 4).reshape(scores.shape)
+    out = torch.matmul(probs.to(v.dtype), v).view(b, hkv, t, g, v.shape[-1])
+    return out.permute(0, 2, 1, 3, 4).reshape(b, t, hq, v.shape[-1])

@@ -48,6 +48,8 @@ class LayerLayout:
     #: linears the architecture's `build_mlp` loads itself (routed experts, router): listed so the split planner
     #: and the bench's synthetic checkpoints know them; the generic loader does not read them
     mlp_linears: Dict[str, Linear] = field(default_factory=dict)
+    #: other dense tensors of the layer, Layer field -> (full checkpoint name, shape): gpt-oss's `sinks`
+    extras: Dict[str, Tuple[str, Tuple[int, ...]]] = field(default_factory=dict)
 
 
 class Architecture:
@@ -100,6 +102,11 @@ class Architecture:
             norms["q_norm"] = ("self_attn.q_norm", config.head_dim)
             norms["k_norm"] = ("self_attn.k_norm", config.head_dim)
         return LayerLayout(linears, norms, f.biases)
+
+    def build_attention(self, loader: Any, config: ConfigData, index: int) -> Optional[Any]:
+        """Hook for an attention that is not q/k/v projections (DeepSeek's latent attention): an object the layer
+        calls instead (see engine/mla.py), or None. Its `o_proj` stays in the layout."""
+        return None
 
     def build_mlp(self, loader: Any, config: ConfigData, index: int) -> Optional[Any]:
         """Hook for a non-dense MLP (routed experts): return an object the layer calls instead of gate/up/down.

@@ -39,6 +39,8 @@ ARCHITECTURES: Dict[str, GGUFArchitecture] = {
     "gemma2": GGUFArchitecture("gemma2", "Gemma2ForCausalLM", permuted_qk=False, norm_shift=-1.0),
     "gemma3": GGUFArchitecture("gemma3_text", "Gemma3ForCausalLM", permuted_qk=False, norm_shift=-1.0),
     "phi3": GGUFArchitecture("phi3", "Phi3ForCausalLM", permuted_qk=False),
+    "gpt-oss": GGUFArchitecture("gpt_oss", "GptOssForCausalLM", permuted_qk=False),
+    "deepseek2": GGUFArchitecture("deepseek_v2", "DeepseekV2ForCausalLM", permuted_qk=False),  # V3 too (_deepseek)
 }
 MIXTRAL = GGUFArchitecture("mixtral", "MixtralForCausalLM", permuted_qk=True)
 # Layer counts of the Gemma 27B models, whose q·k scale llama.cpp takes from hidden / heads.
@@ -81,7 +83,7 @@ def hf_config(meta: Dict[str, Any], tensor_names: List[str], where: str,
         raise ModelFormatError(f"{where}: per-layer KV head counts are not supported.")
     head_dim = int(key("attention.key_length", hidden // heads))
     rope_dim = int(key("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and key("attention.kv_lora_rank") is None:  # DeepSeek's MLA rotates part by design
         raise ModelFormatError(
             f"{where}: partial rotary embeddings (rope.dimension_count {rope_dim} of head size {head_dim}) "
             "are not supported."
@@ -197,8 +199,53 @@ def _experts(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
     config["decoder_sparse_step"] = 1
 
 
+def _gpt_oss(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
+    """Windows on even layers (llama.cpp's pattern for gpt-oss), experts of expert_feed_forward_length; YaRN as the
+    released config.json has it (correction range not truncated), which the file does not record."""
+    layers = config["num_hidden_layers"]
+    config["sliding_window"] = int(key("attention.sliding_window") or 128)
+    config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    config["num_local_experts"] = int(key("expert_count"))
+    config["num_experts_per_tok"] = int(key("expert_used_count"))
+    config["intermediate_size"] = int(key("expert_feed_forward_length") or config["intermediate_size"])
+    config["attention_bias"] = True
+    if "rope_scaling" in config:
+        config["rope_scaling"]["truncate"] = False
+
+
+def _deepseek(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
+    """MLA sizes from the *_mla keys (key_length / value_length describe the latent cache); sigmoid gating or a
+    correction bias makes it V3. YaRN's mscale and mscale_all_dim are both taken from the file's log multiplier
+    (0.1 * mscale_all_dim), as the released configs have them equal."""
+    rank, rope = int(key("attention.kv_lora_rank")), int(key("rope.dimension_count"))
+    config["kv_lora_rank"], config["qk_rope_head_dim"] = rank, rope
+    config["qk_nope_head_dim"] = int(key("attention.key_length_mla")) - rope
+    config["v_head_dim"] = int(key("attention.value_length_mla"))
+    config["head_dim"] = rope
+    config["num_key_value_heads"] = config["num_attention_heads"]
+    config["q_lora_rank"] = key("attention.q_lora_rank")
+    sigmoid = key("expert_gating_func") == 2 or any(n.endswith("exp_probs_b.bias") for n in names)
+    if sigmoid:
+        config["model_type"], config["architectures"] = "deepseek_v3", ["DeepseekV3ForCausalLM"]
+    config["scoring_func"] = "sigmoid" if sigmoid else "softmax"
+    config["first_k_dense_replace"] = int(key("leading_dense_block_count") or 0)
+    config["n_routed_experts"] = int(key("expert_count"))
+    config["num_experts_per_tok"] = int(key("expert_used_count"))
+    config["moe_intermediate_size"] = int(key("expert_feed_forward_length"))
+    config["n_shared_experts"] = int(key("expert_shared_count") or 0)
+    config["routed_scaling_factor"] = float(key("expert_weights_scale") or 1.0)
+    config["norm_topk_prob"] = bool(key("expert_weights_norm", False))
+    groups = int(key("expert_group_count") or 1)
+    config["n_group"], config["topk_group"] = groups, int(key("expert_group_used_count") or 1)
+    config["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
+    log_mul = key("rope.scaling.yarn_log_multiplier")
+    if "rope_scaling" in config and log_mul:
+        config["rope_scaling"].update(mscale=float(log_mul) / 0.1, mscale_all_dim=float(log_mul) / 0.1)
+
+
 _FAMILY: Dict[str, Callable[..., None]] = {
     "gemma2": _gemma, "gemma3_text": _gemma, "phi3": _phi3, "mixtral": _experts, "qwen3_moe": _experts,
+    "gpt_oss": _gpt_oss, "deepseek_v2": _deepseek,
 }
 
 
@@ -215,4 +262,7 @@ def _rope_scaling(key: Any, where: str) -> Optional[Dict[str, Any]]:
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(factor)}
-    raise ModelFormatError(f"{where}: GGUF RoPE scaling {kind!r} is not supported (supported: linear).")
+    if kind == "yarn":
+        return {"rope_type": "yarn", "factor": float(factor),
+                "original_max_position_embeddings": int(key("rope.scaling.original_context_length") or 4096)}
+    raise ModelFormatError(f"{where}: GGUF RoPE scaling {kind!r} is not supported (supported: linear, yarn).")

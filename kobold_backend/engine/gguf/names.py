@@ -6,6 +6,8 @@ role came from depends on the family: `ffn_norm` is Llama's `post_attention_laye
 are `attn_qkv` and `ffn_up` (gate rows first). Routed experts are stacked on a leading axis in one tensor
 (`blk.N.ffn_gate_exps.weight` [E, n, k]); files converted before April 2024 hold one tensor per expert
 (`blk.N.ffn_gate.E.weight`). Either way a Hugging Face expert name maps to (GGUF tensor, expert index or None).
+A few Hugging Face tensors have no `.weight` / `.bias` suffix (gpt-oss's `self_attn.sinks`, DeepSeek-V3's
+`mlp.gate.e_score_correction_bias`); they map to `attn_sinks.weight` and `exp_probs_b.bias`.
 
 llama.cpp's converter reorders the rows of each Q and K head for its interleaved RoPE: within a head of size D,
 Hugging Face row `j * D/2 + i` (half j, pair i) is stored at row `2 i + j`. This engine rotates halves, so the
@@ -43,19 +45,43 @@ _GEMMA: Dict[str, str] = dict(_DENSE_MLP, post_attention_norm="post_attention_la
                               ffn_norm="pre_feedforward_layernorm", post_ffw_norm="post_feedforward_layernorm")
 _PHI3: Dict[str, str] = {"attn_qkv": "self_attn.qkv_proj", "ffn_norm": "post_attention_layernorm",
                          "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}
+# gpt-oss: the norm before the MLP is `post_attention_norm`; the router `ffn_gate_inp` (with a bias) is `mlp.router`
+_GPT_OSS: Dict[str, str] = {"post_attention_norm": "post_attention_layernorm"}
+# DeepSeek-V2/V3: latent attention (kv_b_proj split by the converter into attn_k_b [H, rank, nope] and attn_v_b
+# [H, v, rank]) and shared experts
+_DEEPSEEK: Dict[str, str] = dict(_DENSE_MLP, attn_q_a="self_attn.q_a_proj", attn_q_b="self_attn.q_b_proj",
+                                 attn_q_a_norm="self_attn.q_a_layernorm", attn_kv_a_mqa="self_attn.kv_a_proj_with_mqa",
+                                 attn_kv_a_norm="self_attn.kv_a_layernorm", attn_kv_b="self_attn.kv_b_proj",
+                                 attn_k_b="self_attn.k_b_proj", attn_v_b="self_attn.v_b_proj",
+                                 ffn_gate_shexp="mlp.shared_experts.gate_proj",
+                                 ffn_up_shexp="mlp.shared_experts.up_proj",
+                                 ffn_down_shexp="mlp.shared_experts.down_proj")
 # Hugging Face model_type -> (block tensors besides attention, router prefix, expert prefix and its gate/up/down)
 _BLOCKS: Dict[str, Dict[str, str]] = {
     "llama": _DENSE_MLP, "mistral": _DENSE_MLP, "qwen2": _DENSE_MLP, "qwen3": _DENSE_MLP, "qwen3_moe": _DENSE_MLP,
     "mixtral": {"ffn_norm": "post_attention_layernorm"},
     "gemma2": _GEMMA, "gemma3_text": _GEMMA, "phi3": _PHI3,
+    "gpt_oss": _GPT_OSS, "deepseek_v2": _DEEPSEEK, "deepseek_v3": _DEEPSEEK,
 }
 _EXPERTS: Dict[str, Tuple[str, Tuple[str, str, str]]] = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    # gpt-oss's checkpoints stack gate/up interleaved; its converter splits them into ffn_gate/up_exps (with
+    # biases), read here under per-expert names as for Qwen3-MoE
+    "gpt_oss": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+_ROUTERS: Dict[str, str] = {"gpt_oss": "mlp.router"}
+# Hugging Face tensors without a .weight/.bias suffix -> their GGUF role and suffix
+_BARE: Dict[str, Tuple[str, str]] = {
+    "self_attn.sinks": ("attn_sinks", "weight"),
+    "mlp.gate.e_score_correction_bias": ("exp_probs_b", "bias"),
 }
 _EXPERT_ROLES = ("ffn_gate", "ffn_up", "ffn_down")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _BLK = re.compile(r"blk\.(\d+)\.([a-z_]+)(?:\.(\d+))?\.(weight|bias)$")
+_BARE_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
 
 
 class TensorNames:
@@ -65,7 +91,7 @@ class TensorNames:
         block = dict(_ATTENTION, **_BLOCKS[model_type])
         self._experts: Optional[Tuple[str, Tuple[str, str, str]]] = _EXPERTS.get(model_type)
         if self._experts is not None:
-            block["ffn_gate_inp"] = f"{self._experts[0]}.gate"
+            block["ffn_gate_inp"] = _ROUTERS.get(model_type, f"{self._experts[0]}.gate")
         self._block = block
         self._hf_block = {hf: gg for gg, hf in block.items()}
         self._hf_global = {hf: gg for gg, hf in _GLOBAL.items()}
@@ -73,6 +99,10 @@ class TensorNames:
     def gguf(self, hf_name: str, present: Iterable[str] = ()) -> Optional[Tuple[str, Optional[int]]]:
         """(GGUF tensor, expert index or None) holding a Hugging Face tensor, or None when GGUF has no such tensor.
         An expert resolves to the stacked `*_exps` tensor unless `present` holds the per-expert one instead."""
+        bare = _BARE_LAYER.match(hf_name)
+        if bare is not None and bare.group(2) in _BARE:
+            role, suffix = _BARE[bare.group(2)]
+            return f"blk.{bare.group(1)}.{role}.{suffix}", None
         m = _LAYER.match(hf_name)
         if m is None:
             stem, _, suffix = hf_name.rpartition(".")
@@ -100,6 +130,9 @@ class TensorNames:
             return []
         layer, role, index, suffix = m.groups()
         prefix = f"model.layers.{layer}"
+        for stem, (bare_role, bare_suffix) in _BARE.items():
+            if index is None and (role, suffix) == (bare_role, bare_suffix):
+                return [f"{prefix}.{stem}"]
         if index is None and role in self._block:
             return [f"{prefix}.{self._block[role]}.{suffix}"]
         if self._experts is None:
