@@ -441,3 +441,18 @@ def test_gpt_oss_released_config_spelling_is_read(archs) -> None:
     ours = ModelConfig.from_dict(archs.get("gpt_oss").config)
     assert config.features.ropes == ours.features.ropes and config.features.windows == ours.features.windows
     assert config.rope_scaling.rope_type == "yarn" and not config.rope_scaling.truncate
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "deepseek_v2", "deepseek_v3"])
+def test_multi_row_decode_step_equals_the_prompt_forward(name: str, archs) -> None:
+    """Five rows fed at a device position in one decode_step (a speculative verification, a chat turn in a graph):
+    attention sinks and sliding windows, and the latent cache, give the prompt forward's logits."""
+    lm = load_model(archs.get(name).path, device="cpu", max_seq_len=MAX_SEQ)
+    model = lm.model
+    ids = torch.randint(3, 900, (1, 45), generator=torch.Generator().manual_seed(5))
+    eager, rows = model.new_cache(), model.new_cache()
+    for cache in (eager, rows):
+        model.forward(ids[:, :40], cache)
+    want = model.forward(ids[:, 40:], eager, last_only=False)
+    got = model.decode_step(ids[:, 40:], torch.tensor([40]), rows, MAX_SEQ)
+    assert row_rel_err(got, want) < REUSE_RTOL
