@@ -37,6 +37,10 @@ def tokenizer_files(meta: Dict[str, Any], where: str) -> Dict[str, bytes]:
     """File name -> contents of the Hugging Face tokenizer files equivalent to the GGUF vocabulary."""
     model = meta.get("tokenizer.ggml.model")
     tokens: List[str] = meta.get("tokenizer.ggml.tokens") or []
+    if model == "no_vocab":
+        raise ModelFormatError(f"{where}: the GGUF file has no vocabulary (tokenizer.ggml.model is no_vocab, as in "
+                               "the bench's synthetic files); it can be timed with `kobold-backend bench --model` "
+                               "but not serve text.")
     if not tokens:
         raise ModelFormatError(f"{where}: the GGUF file has no tokenizer.ggml.tokens vocabulary.")
     types: List[int] = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
