@@ -21,6 +21,7 @@ BIN=$LC/build/bin/llama-bench
 TARBALL=$PWD/${LLAMACPP_TARBALL:-.llamacpp/llama.cpp.tar.gz}
 OUT=${OUT:-/tmp/kb-device}; mkdir -p "$OUT" "$LC"
 LIMIT=${LIMIT:-560}
+GGUF_DIR=${GGUF_DIR:-/tmp}  # and PRESET (default llama2-7b): where the files are written, and their shape
 export PATH="$PATH:/usr/local/cuda/bin" PYTHONUNBUFFERED=1
 FLAGS=(-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90
        "-DGGML_CUDA_FA_QUANTS=f16-f16,bf16-bf16,q8_0-q8_0,q4_0-q4_0,q8_0-q4_0"
@@ -62,22 +63,22 @@ wait_build() {  # wait_build SECONDS: 0 once the binary is there
 
 left() { echo $((LIMIT - SECONDS)); }
 
-gguf() {  # gguf RECIPE: /tmp/<recipe>-7b.gguf, written unless it is there with no_vocab (an older file, e.g. from
+gguf() {  # gguf RECIPE: $GGUF_DIR/<recipe>-7b.gguf, written unless it is there with no_vocab (an older file, e.g. from
           # tools/device_session.sh before this change, does not load in llama.cpp)
   [ "$(left)" -lt 120 ] && { echo "skip writing the $1 file (time)"; return 1; }
-  python3 - "$1" <<'EOF' 2>&1 | tail -3
+  python3 - "$1" "$GGUF_DIR" "${PRESET:-llama2-7b}" <<'EOF' 2>&1 | tail -3
 import sys, time
 from pathlib import Path
 from kobold_backend.bench.checkpoint import PRESETS
 from kobold_backend.bench.gguf_checkpoint import write_synthetic_gguf
 recipe = sys.argv[1]
-path = Path(f"/tmp/{recipe.lower().replace('_k_m', 'km')}-7b.gguf")
+path = Path(sys.argv[2]) / f"{recipe.lower().replace('_k_m', 'km')}-7b.gguf"
 if path.exists():
     with open(path, "rb") as f:
         if b"no_vocab" in f.read(4096):
             sys.exit(0)
 t = time.time()
-write_synthetic_gguf(path, PRESETS["llama2-7b"], recipe=recipe)
+write_synthetic_gguf(path, PRESETS[sys.argv[3]], recipe=recipe)
 print(f"{path} written in {time.time() - t:.1f} s")
 EOF
 }
@@ -88,26 +89,27 @@ run_bench() {  # run_bench NAME MODEL [bench flags...]
   local t=$SECONDS
   timeout $(( $(left) - 10 )) python3 -m kobold_backend.bench --model "$model" --llamacpp-bench $BIN "$@" \
     --json "$OUT/$name.json" > "$LOGS/$name.log" 2>&1
-  echo "$name rc=$? $((SECONDS - t)) s"; grep "^vs \|skipped\|Error" "$LOGS/$name.log" | cut -c1-300 | tail -4
+  echo "$name rc=$? $((SECONDS - t)) s"; grep -i "^vs \|skipped\|error" "$LOGS/$name.log" | cut -c1-300 | tail -4
 }
 
 bench() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="$PWD:/tmp/site"
   LOGS=/tmp/kb-llamacpp-logs; rm -rf "$LOGS"; mkdir -p "$LOGS"
-  ls kobold_backend/_ext_cuda*.so > /dev/null 2>&1 || KOBOLD_BACKEND_CUDA_ARCH=9.0 MAX_JOBS=16 \
-    python3 -m kobold_backend.ops.build --cpu --cuda > "$LOGS/ext_build.log" 2>&1 || tail -20 "$LOGS/ext_build.log"
+  ls kobold_backend/_ext_cuda*.so > /dev/null 2>&1 || ! python3 -c "import torch; assert torch.cuda.is_available()" 2> /dev/null \
+    || KOBOLD_BACKEND_CUDA_ARCH=9.0 MAX_JOBS=16 python3 -m kobold_backend.ops.build --cpu --cuda \
+    > "$LOGS/ext_build.log" 2>&1 || tail -20 "$LOGS/ext_build.log"
   building || [ -x $BIN ] || { echo "no llama-bench build running: building now"; start_build; }
   wait_build $(( $(left) - 120 )) || return 1
   local runs=" ${RUNS:-q4km kv-q8 kv-q4 q4_0 q8_0} " run
   for run in $runs; do
     case $run in
-      q4km) gguf Q4_K_M && run_bench q4km-7b /tmp/q4km-7b.gguf --compare llamacpp --contexts 128,4000,16000 ;;
-      kv-q8|kv-q4) gguf Q4_K_M && run_bench "q4km-7b-$run" /tmp/q4km-7b.gguf --compare llamacpp \
+      q4km) gguf Q4_K_M && run_bench q4km-7b $GGUF_DIR/q4km-7b.gguf --compare llamacpp --contexts 128,4000,16000 ;;
+      kv-q8|kv-q4) gguf Q4_K_M && run_bench "q4km-7b-$run" $GGUF_DIR/q4km-7b.gguf --compare llamacpp \
         --cache-dtype "${run#kv-}" --contexts 4000,16000 ;;
-      q4_0) gguf Q4_0 && run_bench q4_0-7b /tmp/q4_0-7b.gguf --compare llamacpp ;;
-      q8_0) gguf Q8_0 && run_bench q8_0-7b /tmp/q8_0-7b.gguf --compare llamacpp ;;
-      q5km) gguf Q5_K_M && run_bench q5km-7b /tmp/q5km-7b.gguf --compare llamacpp ;;
+      q4_0) gguf Q4_0 && run_bench q4_0-7b $GGUF_DIR/q4_0-7b.gguf --compare llamacpp ;;
+      q8_0) gguf Q8_0 && run_bench q8_0-7b $GGUF_DIR/q8_0-7b.gguf --compare llamacpp ;;
+      q5km) gguf Q5_K_M && run_bench q5km-7b $GGUF_DIR/q5km-7b.gguf --compare llamacpp ;;
       gptq) [ -d /tmp/gptq-7b ] && run_bench gptq-7b /tmp/gptq-7b --compare exllamav2 ;;
       *) echo "unknown run $run" ;;
     esac
