@@ -2,7 +2,8 @@
 
 Builds (or takes with --model) a checkpoint, measures prompt speed, decode speed at two contexts,
 a prefix-reusing chat turn, peak memory and the copy-bandwidth roofline, and with --compare the
-same figures for exllamav2 and transformers fp16 in the same process, with ratios.
+same figures for exllamav2 and transformers fp16 in the same process, or for llama.cpp's llama-bench on the same
+GGUF file, with ratios.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
@@ -28,10 +29,12 @@ from kobold_backend.errors import KoboldBackendError
 
 log = logging.getLogger(__name__)
 MAX_BENCH_CONTEXT = 1 << 20  # 2^20 tokens: a 7B's fp16 cache alone would be 512 GiB
+REFERENCES = ("exllamav2", "transformers", "llamacpp")  # the engines --compare can time beside this one
+DEFAULT_COMPARE = "exllamav2,transformers"
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from kobold_backend.flag_types import device_name, existing_path, int_at_least
+    from kobold_backend.flag_types import device_name, existing_file, existing_path, int_at_least
 
     p = sub.add_parser("bench", help="measure speed (prompt, decode, chat turn, memory, roofline)",
                        description="Time prompt processing, decoding, a chat turn and memory on a model (or a "
@@ -49,7 +52,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="GPTQ group size of the synthetic checkpoint")
     p.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--no-graphs", action="store_true", help="eager decode (debugging)")
-    p.add_argument("--compare", action="store_true", help="also measure exllamav2 and transformers fp16")
+    p.add_argument("--compare", nargs="?", const=DEFAULT_COMPARE, default=None, type=reference_list,
+                   metavar="NAME[,NAME]",
+                   help="also measure other engines: " + ", ".join(REFERENCES) + " (comma-separated; bare: "
+                        + DEFAULT_COMPARE + "); llamacpp times llama-bench on the same GGUF file")
+    p.add_argument("--llamacpp-bench", type=existing_file, default=None, metavar="PATH",
+                   help="llama.cpp's llama-bench binary for --compare llamacpp (default: $LLAMA_BENCH)")
     p.add_argument("--samplers", action="store_true", help="also time the samplers per token (CPU)")
     p.add_argument("--speculative", action="store_true",
                    help="also time speculative decoding: n-gram drafts, the target drafting for itself and, with "
@@ -79,6 +87,15 @@ def cache_dtype_list(text: str) -> List[str]:
     bad = [n for n in names if n not in CACHE_DTYPES]
     if not names or bad:
         raise argparse.ArgumentTypeError(f"{text!r}: use one or more of {', '.join(CACHE_DTYPES)}")
+    return names
+
+
+def reference_list(text: str) -> List[str]:
+    """--compare: one or more of REFERENCES, comma-separated."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in REFERENCES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: use one or more of {', '.join(REFERENCES)}")
     return names
 
 
@@ -162,6 +179,8 @@ def run_bench(args: argparse.Namespace) -> int:
                                  f"{args.format} writes its own layout, so drop them")
     if args.format == "gguf":
         _check_gguf_flags(args)
+    compare = args.compare or []
+    llama_bench = _check_llamacpp_flags(args) if "llamacpp" in compare else None
     quick = args.quick or args.preset.startswith("tiny")
     with _sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="kobold-bench-") as tmp:
         path = args.model
@@ -188,18 +207,18 @@ def run_bench(args: argparse.Namespace) -> int:
                                   "cache_dtype": args.cache_dtype[0],
                                   "kobold_backend": bench_engine(path, args.device, use_graphs=not args.no_graphs,
                                                                  cache_dtype=args.cache_dtype[0], **shape)}
-        if args.compare:
+        if compare:
             from kobold_backend.bench.compare import bench_exllamav2, bench_transformers
 
-            if torch.cuda.is_available():
-                log.info("measuring exllamav2")
-                result["exllamav2"] = _compared(bench_exllamav2, path)
-                log.info("measuring transformers fp16")
-                result["transformers"] = _compared(bench_transformers, path)
-            else:
-                result["exllamav2"] = result["transformers"] = {"skipped": "no CUDA GPU"}
+            benches = {"exllamav2": bench_exllamav2, "transformers": bench_transformers}
+            for name in (n for n in REFERENCES if n in compare and n != "llamacpp"):
+                log.info("measuring %s", name)
+                result[name] = _compared(benches[name], path) if torch.cuda.is_available() else \
+                    {"skipped": "no CUDA GPU"}
             result["ratios"] = {name: _ratios(result["kobold_backend"], result[name])
-                                for name in ("exllamav2", "transformers") if "skipped" not in result[name]}
+                                for name in compare if name != "llamacpp" and "skipped" not in result[name]}
+            if llama_bench is not None:
+                _compare_llamacpp(result, llama_bench, path, args.cache_dtype[0], shape)
         if args.speculative:
             result["speculation"] = _speculation(args, path, Path(tmp), quick)
         if args.samplers:
@@ -213,6 +232,15 @@ def run_bench(args: argparse.Namespace) -> int:
         Path(args.json).write_text(text + "\n")
     sys.stderr.write(format_table(result) + "\n")
     return 0
+
+
+def _flat(tree: Dict[str, Any], prefix: str = "") -> Iterator[Tuple[str, float]]:
+    """(dotted key, value) of every number in nested ratios, e.g. ("q4_k_m.decode_tokens_per_s.4000", 1.2)."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flat(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 @contextlib.contextmanager
@@ -248,6 +276,50 @@ def _check_gguf_flags(args: argparse.Namespace) -> None:
                                  "installed here (pip install gguf).") from None
 
 
+def _check_llamacpp_flags(args: argparse.Namespace) -> str:
+    """--compare llamacpp's preconditions, checked before anything is written: the llama-bench binary (flag or
+    $LLAMA_BENCH) and a GGUF file for both engines to time."""
+    from kobold_backend.bench.llamacpp import check_llama_bench, find_llama_bench
+
+    binary = find_llama_bench(None if args.llamacpp_bench is None else str(args.llamacpp_bench))
+    if binary is None:
+        raise KoboldBackendError("--compare llamacpp needs llama.cpp's llama-bench binary: pass --llamacpp-bench PATH "
+                                 "or set LLAMA_BENCH.")
+    if args.model is None and args.format != "gguf":
+        raise KoboldBackendError("--compare llamacpp times a GGUF file: pass --model FILE.gguf or --format gguf.")
+    if args.model is not None:
+        from kobold_backend.engine.gguf.checkpoint import is_gguf
+
+        if not is_gguf(Path(args.model)):
+            raise KoboldBackendError(f"--compare llamacpp times a GGUF file; {args.model} is not one.")
+    return check_llama_bench(binary)
+
+
+def _compare_llamacpp(result: Dict[str, Any], binary: str, path: str, cache_dtype: str,
+                      shape: Dict[str, Any]) -> None:
+    """llama-bench on the same file at the same prompt lengths and contexts; its failure is recorded as the
+    comparison's result (one sentence), our figures are kept."""
+    from kobold_backend.bench.llamacpp import (
+        LlamaBenchError,
+        bench_llamacpp,
+        gguf_file_type,
+        llamacpp_ratios,
+        variant_label,
+    )
+
+    sizes = {k: shape[k] for k in ("prompt_lengths", "contexts", "decode_steps") if k in shape}
+    log.info("measuring llama.cpp (%s)", binary)
+    try:
+        result["llamacpp"] = bench_llamacpp(binary, path, cache_dtype, **sizes)
+    except LlamaBenchError as exc:
+        log.warning("%s", exc)
+        result["llamacpp"] = {"skipped": str(exc)}
+        return
+    label = variant_label(gguf_file_type(path), cache_dtype)
+    result["llamacpp"]["variant"] = label
+    result["ratios"]["llamacpp"] = {label: llamacpp_ratios(result["kobold_backend"], result["llamacpp"])}
+
+
 def _synthetic_gguf(folder: Path, preset: str) -> Path:
     from kobold_backend.bench.gguf_checkpoint import write_synthetic_gguf
 
@@ -258,7 +330,7 @@ def _synthetic_gguf(folder: Path, preset: str) -> Path:
 def format_table(result: Dict[str, Any]) -> str:
     """A short human-readable summary."""
     lines = []
-    for name in ("kobold_backend", "exllamav2", "transformers"):
+    for name in ("kobold_backend",) + REFERENCES:
         r = result.get(name)
         if not r:
             continue
@@ -277,7 +349,7 @@ def format_table(result: Dict[str, Any]) -> str:
     bandwidth = kb["copy_bandwidth_bytes_per_s"] / 1e12
     lines.append(f"roofline {kb['roofline_tokens_per_s']:,.0f} tok/s at {bandwidth:.2f} TB/s copy bandwidth")
     for other, ratios in result.get("ratios", {}).items():
-        lines.append(f"vs {other}: " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))
+        lines.append(f"vs {other}: " + ", ".join(f"{k} x{v:.2f}" for k, v in _flat(ratios)))
     if "speculation" in result:
         from kobold_backend.bench.speculative_bench import format_speculation
 

@@ -57,7 +57,6 @@ _UNSUPPORTED_MODELS = {
     "plamo2": "PLaMo 2's own suffix-table tokenizer",
     "hybriddna": "its DNA k-mer tokenizer",
     "whitespace": "its whitespace-splitting tokenizer",
-    "none": "no vocabulary", "no_vocab": "no vocabulary",
 }
 
 
@@ -131,6 +130,10 @@ def _strip_flags(meta: Dict[str, Any], vocab: tj.GGUFVocab) -> None:
 def tokenizer_files(meta: Dict[str, Any], where: str) -> Dict[str, bytes]:
     """File name -> contents of the tokenizer files that tokenize as llama.cpp does with this GGUF vocabulary."""
     model = str(meta.get("tokenizer.ggml.model"))
+    if model in ("no_vocab", "none"):
+        raise ModelFormatError(f"{where}: the GGUF file has no vocabulary (tokenizer.ggml.model is {model}, as in "
+                               "the bench's synthetic files); it can be timed with `kobold-backend bench --model` "
+                               "but not serve text.")
     if model in _UNSUPPORTED_MODELS:
         raise ModelFormatError(f"{where}: GGUF tokenizer model {model!r} ({_UNSUPPORTED_MODELS[model]}) is not "
                                f"supported (supported: {', '.join(sorted(_DEFAULT_IDS))}).")
