@@ -15,6 +15,7 @@
 #   compare     `bench --preset llama2-7b --compare` (this engine beside exllamav2 and transformers)
 #   base        with BASE=DIR (a checkout of the commit before the change): the 7B GPTQ bench from that tree on
 #               the same folder, for a before/after pair
+# SKIP_BUILD=1 keeps the modules an earlier command of the same machine built in place.
 # GPU_FILES (test files) narrows the tests section, e.g. one branch's:
 #   SECTIONS="tests kvtiming" GPU_FILES=tests/test_kv_quant_gpu.py bash tools/device_session.sh
 # Everything ends up in $OUT/results.tgz (the device tool brings back a few files only).
@@ -43,8 +44,9 @@ section "exllamav2 JIT build (background)"
     > "$OUT/exl2_logits.log" 2>&1; echo "exl2 reference logits rc=$?" >> "$OUT/exl2_logits.log"; }) &
   exllamav2_job=$!; }
 
-section "build (sm_90)"
-python3 -m kobold_backend.ops.build --cpu --cuda > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+section "build (sm_90)"  # SKIP_BUILD=1: the modules a command before this one built in place
+[ -n "${SKIP_BUILD:-}" ] || python3 -m kobold_backend.ops.build --cpu --cuda > "$OUT/build.log" 2>&1 \
+  || { tail -30 "$OUT/build.log"; exit 1; }
 
 want tests && {
 section "GPU tests"
