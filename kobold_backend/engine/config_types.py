@@ -46,10 +46,12 @@ EXL2_QUANT = QuantConfig(bits=0, group_size=-1, sym=True, checkpoint_format="exl
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """One RoPE table: its base and its scaling (None: plain)."""
+    """One RoPE table: its base, its scaling (None: plain) and how many leading dimensions of a head it rotates
+    (0: all of head_dim; `partial_rotary_factor` < 1 rotates fewer, the rest pass through)."""
 
     theta: float
     scaling: Optional[RopeScaling] = None
+    dim: int = 0
 
     @property
     def attention_factor(self) -> float:
@@ -70,7 +72,14 @@ class Features:
     - `attn_scale`: multiplies q·k (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5).
     - `attn_softcap` / `final_softcap`: `c * tanh(x / c)` on attention scores / final logits (Gemma 2).
     - `windows`: per layer, the sliding-window length (None: full attention).
-    - `ropes`: per layer, the RoPE table it uses (Gemma 3 local/global layers differ).
+    - `ropes`: per layer, the RoPE table it uses (Gemma 3 local/global layers differ); None: the layer has no
+      rotary embedding at all (Cohere 2's global layers).
+    - `norm`: "rms" (RMSNorm) or "layer" (LayerNorm without bias: mean removed, Cohere); q/k norms follow it.
+    - `parallel_block`: attention and MLP both read the input norm's output and are added to the residual
+      together (Cohere); `post_norm` is then absent.
+    - `logit_scale`: final logits are multiplied by it (Cohere).
+    - `rope_interleaved`: RoPE rotates pairs of neighbouring head dimensions (2i, 2i + 1) instead of the halves
+      (i, i + dim / 2); the model reorders q and k per head so the rotate-half kernels serve both.
     """
 
     biases: Tuple[str, ...] = ()
@@ -84,7 +93,11 @@ class Features:
     attn_softcap: Optional[float] = None
     final_softcap: Optional[float] = None
     windows: Tuple[Optional[int], ...] = ()
-    ropes: Tuple[RopeSpec, ...] = ()
+    ropes: Tuple[Optional[RopeSpec], ...] = ()
+    norm: str = "rms"
+    parallel_block: bool = False
+    logit_scale: Optional[float] = None
+    rope_interleaved: bool = False
 
 
 @dataclass
@@ -122,7 +135,7 @@ class ConfigData:
         """The sliding-window length of layer `index`, None for full attention."""
         return self.features.windows[index]
 
-    def layer_rope(self, index: int) -> RopeSpec:
+    def layer_rope(self, index: int) -> Optional[RopeSpec]:
         return self.features.ropes[index]
 
 

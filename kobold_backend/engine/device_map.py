@@ -57,7 +57,7 @@ def config_shapes(config: ModelConfig) -> Shapes:
         p = f"model.layers.{i}"
         layout = config.description.layout(config, i)
         for ckpt, size in layout.norms.values():
-            shapes[f"{p}.{ckpt}.weight"] = (size,)
+            shapes[f"{p}.{ckpt}.weight"] = size if isinstance(size, tuple) else (size,)
         for name, lin in {**layout.linears, **layout.mlp_linears}.items():
             k, n = lin.in_features, lin.out_features
             if name in layout.biased:

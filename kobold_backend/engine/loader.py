@@ -129,6 +129,7 @@ def load_model(
         config = ModelConfig.from_dir(folder)
         tokenizer = load_tokenizer(folder, config.bos_token_id, config.eos_token_ids) if with_tokenizer else None
         reader = WeightReader(folder)
+        reader.rename(config.description.stored_names(reader.names()))
         config = with_exl2_detected(config, reader.names())
     with reader:
         if speculative == "draft" and draft_model is not None and tokenizer is not None:
@@ -209,7 +210,9 @@ def check_against_headers(config: ModelConfig, reader: Union[WeightReader, GGUFW
     and the embedding shape must be those of the tensors in the files."""
     layers = {int(name.split(".")[2]) for name in reader.names()
               if name.startswith("model.layers.") and name.split(".")[2].isdigit()}
-    if layers != set(range(config.num_layers)):
+    # layers stored after the decoder stack that inference does not run (GLM-4.5's next-token-prediction layer)
+    unused = config.description.unused_layers(config.raw)
+    if layers != set(range(config.num_layers)) and layers != set(range(config.num_layers + unused)):
         raise ModelFormatError(
             f"config.json says num_hidden_layers {config.num_layers} but the checkpoint in {reader.folder} holds "
             f"{len(layers)} layers.")
@@ -310,8 +313,9 @@ def _load_layer(ctx: LayerLoader, index: int) -> Layer:
         if name in layout.biased and not isinstance(weights[name], (GPTQWeight, GGMLWeight, EXL2Weight)):
             biases[name] = ctx.dense(f"{lin.prefix}.bias", (lin.out_features,))
     offset = config.features.norm_offset
-    norms = {field_name: ctx.dense(f"{ckpt}.weight", (size,), offset)
+    norms = {field_name: ctx.dense(f"{ckpt}.weight", size if isinstance(size, tuple) else (size,), offset)
              for field_name, (ckpt, size) in layout.norms.items()}
+    norms.setdefault("post_norm", None)  # a parallel block has no norm of its own in front of the MLP
     layer = Layer(
         q_proj=weights.get("q_proj"), k_proj=weights.get("k_proj"), v_proj=weights.get("v_proj"),
         o_proj=weights["o_proj"], gate_proj=weights.get("gate_proj"), up_proj=weights.get("up_proj"),

@@ -1,4 +1,4 @@
-"""Routed experts (Mixtral, Qwen3-MoE): a softmax router picks the top-k experts of each token and only those run.
+"""Routed experts (Mixtral, Qwen3-MoE, GLM-4.5): a router picks the top-k experts of each token and only those run.
 
 Every projection of the experts is stacked on a leading expert axis (`ExpertStack`), dense, GPTQ or a GGML block
 format (GGUF's stacked `ffn_*_exps` tensors, rows kept as stored), so an expert is a view and a set of experts can
@@ -13,6 +13,12 @@ be gathered with device-side indices. Two execution paths, same math:
 Routing follows transformers: softmax over the router logits in float32, top-k, optional renormalisation of the k
 weights to sum 1 (always for Mixtral, `norm_topk_prob` for Qwen3-MoE), cast to the compute dtype; an expert's output
 is down(act(gate(x)) * up(x)) scaled by its routing weight, summed over the k experts.
+
+Sigmoid routing (GLM-4.5, `scoring="sigmoid"`): router logits in float32, scores = sigmoid(logits); the experts are
+chosen on scores + `correction` (`e_score_correction_bias`), first keeping the `topk_groups` of `groups` equal
+groups of experts whose two best choice scores sum highest, then the top k among them; their weights are the plain
+scores, renormalised (+1e-20) with `norm_topk_prob`, times `scale` (`routed_scaling_factor`). `shared` experts (one
+dense MLP of all of them together) run on every token and are added to the routed sum.
 """
 
 from __future__ import annotations
@@ -135,6 +141,12 @@ class RoutedExperts:
     top_k: int
     renormalize: bool
     act: Activation  # act(gate, up) -> act(gate) * up
+    scoring: str = "softmax"  # or "sigmoid"
+    correction: Optional[torch.Tensor] = None  # [E] float32, added to the sigmoid scores for the choice only
+    groups: int = 1
+    topk_groups: int = 1
+    scale: float = 1.0
+    shared: Optional[Tuple[ExpertStack, Optional[ExpertStack], ExpertStack]] = None  # one expert: the shared MLP
 
     @property
     def num_experts(self) -> int:
@@ -142,16 +154,39 @@ class RoutedExperts:
 
     def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(weights [M, k] in x's dtype, expert ids [M, k]) for rows x [M, H]."""
+        if self.scoring == "sigmoid":
+            return self._route_sigmoid(x)
         probs = torch.softmax(_project(x, self.router).float(), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
+    def _route_sigmoid(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        router = self.router
+        logits = ops.linear(x.float(), router.float()) if isinstance(router, torch.Tensor) else \
+            _project(x, router).float()
+        scores = torch.sigmoid(logits)
+        choice = scores if self.correction is None else scores + self.correction
+        if self.groups > 1:
+            m, e = choice.shape
+            per_group = choice.view(m, self.groups, e // self.groups)
+            group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)
+            kept = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_groups, dim=-1).indices, 1)
+            mask = kept.unsqueeze(-1).expand_as(per_group).reshape(m, e).bool()
+            choice = choice.masked_fill(~mask, float("-inf"))
+        experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * self.scale).to(x.dtype), experts
+
     def tensors(self) -> Iterator[Any]:
         """Every weight held (for Model.nbytes): the router (a tensor or a GPTQWeight) and the stacks' tensors."""
         yield self.router
-        for stack in (self.gate_up, self.up, self.down):
+        if self.correction is not None:
+            yield self.correction
+        for stack in (self.gate_up, self.up, self.down) + (self.shared or ()):
             if stack is not None:
                 yield from stack.tensors()
 
@@ -172,6 +207,9 @@ class RoutedExperts:
             out = self._gathered(rows, weights, experts)
         else:
             out = self._grouped(rows, weights, experts)
+        if self.shared is not None:
+            gate_up, up, down = self.shared
+            out = out + self._mlp(rows, gate_up.expert(0), None if up is None else up.expert(0), down.expert(0))
         return out.view(shape)
 
     def _mlp(self, x: torch.Tensor, gate_up: Weight, up: Optional[Weight], down: Weight) -> torch.Tensor:

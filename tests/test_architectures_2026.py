@@ -1,0 +1,256 @@
+"""Command-R, Command-R7B (Cohere 2), GLM-4, GLM-4.5, Mistral 3 (text) and Mistral-Nemo against transformers (CPU,
+float32), dense and GPTQ.
+
+Fixtures are built by transformers' own config and model classes (tests/fixtures/arch2026_checkpoints.py); for GPTQ
+transformers loads the packer's dequantized weights, so both sides hold the same numbers and must agree to float32
+rounding. Each family's own feature is shown to matter by `test_fixture_is_sensitive` (the oracle moves when it is
+switched off), so the agreement tests do test it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Dict
+
+import pytest
+import torch
+import transformers
+
+from kobold_backend.engine.loader import LoadedModel, load_model
+from kobold_backend.engine.moe import RoutedExperts
+from kobold_backend.errors import ModelFormatError
+from kobold_backend.ops.gptq_weight import GPTQWeight
+from tests.fixtures.arch2026_checkpoints import SPECS, Factory
+from tests.fixtures.hf_oracle import by_name, greedy_both, hf_load, prompt_ids, row_rel_err
+
+ALL = [s.name for s in SPECS]
+LOGITS_RTOL = 1e-4
+GREEDY_TOKENS = 32
+MAX_SEQ = 96
+
+
+def oracle_load(folder: Path) -> torch.nn.Module:
+    """transformers in float32 on the CPU; Mistral 3 through its multimodal class (text-only inputs)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    if cfg["model_type"] != "mistral3":
+        return hf_load(folder)
+    model = transformers.Mistral3ForConditionalGeneration.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def archs(tmp_path_factory: pytest.TempPathFactory) -> Factory:
+    return Factory(tmp_path_factory.mktemp("arch2026"))
+
+
+@pytest.fixture(scope="module")
+def ours(archs: Factory) -> Callable[[str], LoadedModel]:
+    return by_name(lambda name: load_model(archs.get(name).path, device="cpu", max_seq_len=MAX_SEQ))
+
+
+@pytest.fixture(scope="module")
+def hf(archs: Factory) -> Callable[[str], torch.nn.Module]:
+    return by_name(lambda name: oracle_load(archs.get(name).oracle_path))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_logits_match_transformers(name: str, archs, ours, hf, record_property) -> None:
+    ids = prompt_ids(archs.get(name), 40, seed=1)
+    lm = ours(name)
+    logits = lm.model.forward(ids, lm.model.new_cache(), last_only=False)
+    with torch.no_grad():
+        ref = hf(name)(ids).logits
+    err = row_rel_err(logits, ref)
+    record_property("max_rel_err", err)
+    record_property("max_abs_err", float((logits - ref).abs().max()))
+    assert err < LOGITS_RTOL, f"{name}: max relative logit error {err:.3e}"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_greedy_matches_transformers(name: str, archs, ours, hf, record_property) -> None:
+    """A 16-token prompt then 32 greedy tokens through each side's KV cache (Cohere 2: past its window of 8)."""
+    run = greedy_both(ours(name), hf(name), prompt_ids(archs.get(name), 16, seed=2), GREEDY_TOKENS, cuts=(5,))
+    gaps = [float(v.topk(2).values[0] - v.topk(2).values[1]) for v in run.ref_logits]
+    assert min(gaps) > 1e-3, f"fixture {name} has a near-tie on its greedy path (gap {min(gaps):.2e})"
+    assert len(set(run.ref_tokens)) > 3, f"fixture {name} decodes a loop; it would prove little"
+    errs = [row_rel_err(a, b) for a, b in zip(run.logits, run.ref_logits)]
+    record_property("max_step_rel_err", max(errs))
+    assert run.tokens == run.ref_tokens
+    assert max(errs) < LOGITS_RTOL, f"{name}: decode-step logits differ by {max(errs):.3e}"
+
+
+@pytest.mark.parametrize("name", ["cohere2", "glm4_moe", "glm4"])
+def test_graph_step_matches_forward(name: str, archs, ours) -> None:
+    """decode_step (what a CUDA graph captures: device position, bucketed length) equals forward."""
+    lm = ours(name)
+    prompt = prompt_ids(archs.get(name), 12, seed=12)
+    eager, graphy = lm.model.new_cache(), lm.model.new_cache()
+    lm.model.forward(prompt, eager)
+    lm.model.forward(prompt, graphy)
+    token = torch.tensor([[7]])
+    for step in range(12):
+        pos = graphy.reserve(1)
+        ref = lm.model.forward(token, eager)[0, -1]
+        got = lm.model.decode_step(token, torch.tensor([pos]), graphy, 64)[0, -1]
+        graphy.seq_len = pos + 1
+        assert row_rel_err(got, ref) < 1e-5, step
+        token = ref.argmax().view(1, 1)
+
+
+@pytest.mark.parametrize("name", ["cohere", "glm4"])
+def test_context_shift_rerotates_permuted_keys(name: str, archs) -> None:
+    """Cached keys are stored in the model's per-head order (interleaved / partial RoPE moved to rotate-half):
+    on a one-layer model the shifted cache gives the logits of a fresh prefill of the kept tokens."""
+    lm = load_model(archs.get(name).path, device="cpu", dtype="float32", max_seq_len=MAX_SEQ)
+    model = lm.model
+    assert model.rope_perms[0] is not None
+    model.layers, model.cos, model.sin = model.layers[:1], model.cos[:1], model.sin[:1]
+    ids = torch.randint(3, 900, (1, 60), generator=torch.Generator().manual_seed(0))
+    memory, dropped, kept, new = ids[:, :4], ids[:, 4:20], ids[:, 20:50], ids[:, 50:]
+    cache = model.new_cache()
+    model.forward(torch.cat([memory, dropped, kept], 1), cache)
+    model.shift_cache(cache, 4, 16)
+    shifted = model.forward(new, cache, last_only=False)
+    fresh = model.forward(torch.cat([memory, kept, new], 1), model.new_cache(), last_only=False)[:, -10:]
+    assert row_rel_err(shifted, fresh) < 1e-5
+
+
+def test_features_are_read(ours) -> None:
+    cohere, cohere2, glm4, moe = (ours(n).model for n in ("cohere", "cohere2", "glm4", "glm4_moe"))
+    f = cohere.features
+    assert (f.norm, f.parallel_block, f.logit_scale, f.rope_interleaved, f.qk_norm) == ("layer", True, 0.5, True, True)
+    assert cohere.layers[0].q_norm.shape == (4, 16) and cohere.layers[0].post_norm is None
+    assert cohere.lm_head is cohere.embed_tokens
+    assert cohere2.windows == (8, 8, 8, None)
+    assert cohere2.features.ropes[3] is None and cohere2.features.ropes[0] is not None
+    assert glm4.features.ropes[0].dim == 16 and glm4.features.biases == ("q_proj", "k_proj", "v_proj")
+    assert glm4.layers[0].gate_up_proj is not None and glm4.layers[0].attn_out_norm is not None
+    assert moe.layers[0].mlp is None and len(moe.layers) == 3
+    mlp = moe.layers[1].mlp
+    assert isinstance(mlp, RoutedExperts) and mlp.scoring == "sigmoid" and mlp.shared is not None
+    assert (mlp.groups, mlp.topk_groups, mlp.scale, mlp.top_k, mlp.num_experts) == (4, 2, 2.5, 2, 8)
+    assert mlp.correction is not None and mlp.correction.dtype == torch.float32
+
+
+def test_gptq_layers_stay_quantized(ours) -> None:
+    for name in ("cohere_gptq", "glm4_gptq", "glm4_moe_gptq"):
+        layer = ours(name).model.layers[1]
+        assert isinstance(layer.o_proj, GPTQWeight), name
+    assert ours("glm4_moe_gptq").model.layers[1].mlp.gate_up.qweight is not None
+
+
+def test_glm4_moe_grouping_changes_the_choice(ours) -> None:
+    """The fixture's groups and correction bias matter: without them the routing picks other experts."""
+    mlp = ours("glm4_moe").model.layers[1].mlp
+    rows = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
+    experts = mlp.route(rows)[1].sort(dim=-1).values
+    from dataclasses import replace
+
+    for plain in (replace(mlp, groups=1, topk_groups=1), replace(mlp, correction=None)):
+        assert not torch.equal(plain.route(rows)[1].sort(dim=-1).values, experts)
+
+
+def test_glm4_moe_gathered_path_equals_grouped(ours) -> None:
+    mlp = ours("glm4_moe_gptq").model.layers[2].mlp
+    rows = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    weights, experts = mlp.route(rows)
+    assert torch.allclose(mlp._gathered(rows, weights, experts), mlp._grouped(rows, weights, experts),
+                          rtol=1e-5, atol=1e-5)
+
+
+def _edited(archs: Factory, name: str, label: str, edit: Callable[[Dict[str, Any]], None]) -> Path:
+    src = archs.get(name).oracle_path
+    dst = archs.root / f"{name}-{label}"
+    if not dst.exists():
+        shutil.copytree(src, dst)
+        cfg = json.loads((dst / "config.json").read_text())
+        edit(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def _rope_params(key: str, value: Any) -> Callable[[Dict[str, Any]], None]:
+    return lambda c: c["rope_parameters"].update({key: value})
+
+
+@pytest.mark.parametrize("name, label, edit", [
+    ("cohere", "scale", lambda c: c.update(logit_scale=1.0)),
+    ("cohere2", "no_window", lambda c: c.update(sliding_window=4096)),
+    ("cohere2", "all_sliding", lambda c: c.update(layer_types=["sliding_attention"] * 4, sliding_window=4096)),
+    ("glm4", "full_rope", _rope_params("partial_rotary_factor", 1.0)),
+    ("glm4_moe", "no_groups", lambda c: c.update(n_group=1, topk_group=1)),
+    ("glm4_moe", "unscaled", lambda c: c.update(routed_scaling_factor=1.0)),
+])
+def test_fixture_is_sensitive(name: str, label: str, edit, archs, hf) -> None:
+    """Without the feature the oracle's logits move by more than 1%, so the tests above do test it."""
+    ids = prompt_ids(archs.get(name), 40, seed=1)
+    with torch.no_grad():
+        changed = oracle_load(_edited(archs, name, label, edit))(ids).logits
+        assert row_rel_err(changed, hf(name)(ids).logits) > 1e-2
+
+
+def test_mistral3_reads_text_config_and_prefix(archs, ours) -> None:
+    """The multimodal checkpoint loads its text model only: config from text_config, tensors from
+    `language_model.`; the vision tower's tensors are in the file and not read."""
+    built = archs.get("mistral3")
+    from safetensors import safe_open
+
+    with safe_open(str(built.path / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert any(k.startswith("vision_tower.") for k in keys) and any(k.startswith("language_model.") for k in keys)
+    lm = ours("mistral3")
+    assert lm.config.architecture == "Mistral3ForConditionalGeneration"
+    assert (lm.config.head_dim, lm.config.hidden_size, lm.config.num_heads) == (32, 64, 4)
+
+
+def test_mistral3_without_text_config_is_one_sentence(archs, tmp_path: Path) -> None:
+    folder = tmp_path / "m3"
+    shutil.copytree(archs.get("mistral3").path, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["text_config"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFormatError, match="text model's settings in text_config"):
+        load_model(folder, device="cpu")
+
+
+def test_glm4_moe_next_token_layer_is_stored_and_skipped(archs, ours) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(archs.get("glm4_moe").path / "model.safetensors"), "pt") as f:
+        assert "model.layers.3.eh_proj.weight" in f.keys()
+    assert len(ours("glm4_moe").model.layers) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("name", ALL)
+def test_gpu_fp16_matches_transformers(name: str, graphs: bool, archs, hf) -> None:
+    """On CUDA in float16: prompt logits within 2e-2 relative of transformers (float32 CPU) and 16 greedy steps on
+    transformers' own tokens likewise; with `graphs`, the decode steps run through decode_step as a captured
+    CUDA graph would (device position)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    lm = load_model(archs.get(name).path, device="cuda", dtype="float16", max_seq_len=MAX_SEQ)
+    ref_model = hf(name)
+    from tests.fixtures.hf_oracle import hf_step
+
+    ids = prompt_ids(archs.get(name), 16, seed=4)
+    cache = lm.model.new_cache()
+    ours_logits = lm.model.forward(ids.cuda(), cache, last_only=False).float().cpu()
+    ref, past = hf_step(ref_model, ids, None)
+    errs = [row_rel_err(ours_logits, ref)]
+    for _ in range(16):
+        token = ref[0, -1].argmax().view(1, 1)
+        if graphs:
+            pos = cache.reserve(1)
+            got = lm.model.decode_step(token.cuda(), torch.tensor([pos], device="cuda"), cache, MAX_SEQ)
+            cache.seq_len = pos + 1
+        else:
+            got = lm.model.forward(token.cuda(), cache)
+        ref, past = hf_step(ref_model, token, past)
+        errs.append(row_rel_err(got[0, -1].float().cpu(), ref[0, -1]))
+    lm.unload()
+    assert max(errs) < 2e-2, f"{name}: fp16 logits differ by {max(errs):.3e}"
