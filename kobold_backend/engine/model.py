@@ -20,7 +20,6 @@ from kobold_backend import ops
 from kobold_backend.engine.cache import KVCache
 from kobold_backend.engine.config_types import ConfigData
 from kobold_backend.engine.fuse import concat_outputs
-from kobold_backend.engine.rope import head_permutation
 from kobold_backend.ops.exl2_weight import EXL2Weight
 from kobold_backend.ops.ggml import GGMLWeight
 from kobold_backend.ops.gptq_weight import GPTQWeight
@@ -51,6 +50,22 @@ def project(x: torch.Tensor, w: Weight, bias: Optional[torch.Tensor] = None) -> 
         shape = x.shape
         return ops.exl2_matmul(x.reshape(-1, shape[-1]), w).view(*shape[:-1], w.out_features)
     return ops.linear(x, w, bias)
+
+
+def head_permutation(head_dim: int, rope_dim: int, interleaved: bool) -> Optional[torch.Tensor]:
+    """The order of a head's dimensions that puts the checkpoint's rotated pair i at (i, i + head_dim / 2): entry
+    p is the checkpoint dimension stored at p. Pairs are (2i, 2i + 1) when `interleaved`, else (i, i + rope_dim / 2),
+    for i < rope_dim / 2; dimensions from rope_dim on pass through. None when the order is already that one."""
+    rope_dim = rope_dim or head_dim
+    pairs = rope_dim // 2
+    first = [2 * i for i in range(pairs)] if interleaved else list(range(pairs))
+    second = [2 * i + 1 for i in range(pairs)] if interleaved else [pairs + i for i in range(pairs)]
+    rest = list(range(rope_dim, head_dim))
+    split = len(rest) // 2
+    order = first + rest[:split] + second + rest[split:]
+    if order == list(range(head_dim)):
+        return None
+    return torch.tensor(order, dtype=torch.long)
 
 
 QKV = ("q_proj", "k_proj", "v_proj")

@@ -7,7 +7,7 @@ rotated two ways in one cache; here every cached key uses the same table, as lla
 
 Partial rotary embeddings (`RopeSpec.dim` < head_dim: GLM) and layers without any (`None`: Cohere 2's global
 layers) use tables of the full head size whose pass-through columns have frequency 0 (cos 1, sin 0), and
-`head_permutation` orders each head of q and k so that the rotated pairs, interleaved (2i, 2i + 1) or split
+`model.head_permutation` orders each head of q and k so that the rotated pairs, interleaved (2i, 2i + 1) or split
 (i, i + dim / 2) in the checkpoint, sit at (i, i + head_dim / 2) where the rotate-half kernels expect them; the
 permutation is applied to q and k alike, so q·k is unchanged.
 """
@@ -83,18 +83,3 @@ def cos_sin_tables(
     cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
-
-def head_permutation(head_dim: int, rope_dim: int, interleaved: bool) -> Optional[torch.Tensor]:
-    """The order of a head's dimensions that puts the checkpoint's rotated pair i at (i, i + head_dim / 2): entry
-    p is the checkpoint dimension stored at p. Pairs are (2i, 2i + 1) when `interleaved`, else (i, i + rope_dim / 2),
-    for i < rope_dim / 2; dimensions from rope_dim on pass through. None when the order is already that one."""
-    rope_dim = rope_dim or head_dim
-    pairs = rope_dim // 2
-    first = [2 * i for i in range(pairs)] if interleaved else list(range(pairs))
-    second = [2 * i + 1 for i in range(pairs)] if interleaved else [pairs + i for i in range(pairs)]
-    rest = list(range(rope_dim, head_dim))
-    split = len(rest) // 2
-    order = first + rest[:split] + second + rest[split:]
-    if order == list(range(head_dim)):
-        return None
-    return torch.tensor(order, dtype=torch.long)

@@ -6,6 +6,9 @@ role came from depends on the family: `ffn_norm` is Llama's `post_attention_laye
 are `attn_qkv` and `ffn_up` (gate rows first). Routed experts are stacked on a leading axis in one tensor
 (`blk.N.ffn_gate_exps.weight` [E, n, k]); files converted before April 2024 hold one tensor per expert
 (`blk.N.ffn_gate.E.weight`). Either way a Hugging Face expert name maps to (GGUF tensor, expert index or None).
+GLM-4.5's router bias `mlp.gate.e_score_correction_bias` is `blk.N.exp_probs_b.bias`; its shared experts are
+`ffn_*_shexp`. GLM-4's fused gate/up is `ffn_up` (gate rows first) and its norms after attention and after the MLP
+are `post_attention_norm` / `post_ffw_norm`.
 
 llama.cpp's converter reorders the rows of each Q and K head for its interleaved RoPE: within a head of size D,
 Hugging Face row `j * D/2 + i` (half j, pair i) is stored at row `2 i + j`. This engine rotates halves, so the
@@ -43,16 +46,27 @@ _GEMMA: Dict[str, str] = dict(_DENSE_MLP, post_attention_norm="post_attention_la
                               ffn_norm="pre_feedforward_layernorm", post_ffw_norm="post_feedforward_layernorm")
 _PHI3: Dict[str, str] = {"attn_qkv": "self_attn.qkv_proj", "ffn_norm": "post_attention_layernorm",
                          "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}
+_GLM4: Dict[str, str] = {"post_attention_norm": "post_self_attn_layernorm", "ffn_norm": "post_attention_layernorm",
+                         "post_ffw_norm": "post_mlp_layernorm", "ffn_up": "mlp.gate_up_proj",
+                         "ffn_down": "mlp.down_proj"}
+_GLM4_MOE: Dict[str, str] = dict(_DENSE_MLP, post_attention_norm="post_attention_layernorm",
+                                 ffn_gate_shexp="mlp.shared_experts.gate_proj",
+                                 ffn_up_shexp="mlp.shared_experts.up_proj",
+                                 ffn_down_shexp="mlp.shared_experts.down_proj")
 # Hugging Face model_type -> (block tensors besides attention, router prefix, expert prefix and its gate/up/down)
 _BLOCKS: Dict[str, Dict[str, str]] = {
     "llama": _DENSE_MLP, "mistral": _DENSE_MLP, "qwen2": _DENSE_MLP, "qwen3": _DENSE_MLP, "qwen3_moe": _DENSE_MLP,
     "mixtral": {"ffn_norm": "post_attention_layernorm"},
     "gemma2": _GEMMA, "gemma3_text": _GEMMA, "phi3": _PHI3,
+    "cohere": _DENSE_MLP, "cohere2": _DENSE_MLP, "glm4": _GLM4, "glm4_moe": _GLM4_MOE,
 }
 _EXPERTS: Dict[str, Tuple[str, Tuple[str, str, str]]] = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
+# Hugging Face tensors without a .weight / .bias suffix: the converter renames them to one (GLM-4.5's router bias)
+_UNSUFFIXED: Dict[str, Tuple[str, str]] = {"mlp.gate.e_score_correction_bias": ("exp_probs_b", "bias")}
 _EXPERT_ROLES = ("ffn_gate", "ffn_up", "ffn_down")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _BLK = re.compile(r"blk\.(\d+)\.([a-z_]+)(?:\.(\d+))?\.(weight|bias)$")
@@ -73,6 +87,10 @@ class TensorNames:
     def gguf(self, hf_name: str, present: Iterable[str] = ()) -> Optional[Tuple[str, Optional[int]]]:
         """(GGUF tensor, expert index or None) holding a Hugging Face tensor, or None when GGUF has no such tensor.
         An expert resolves to the stacked `*_exps` tensor unless `present` holds the per-expert one instead."""
+        for stem, (role, suffix) in _UNSUFFIXED.items():
+            m = re.fullmatch(rf"model\.layers\.(\d+)\.{re.escape(stem)}", hf_name)
+            if m is not None:
+                return f"blk.{m.group(1)}.{role}.{suffix}", None
         m = _LAYER.match(hf_name)
         if m is None:
             stem, _, suffix = hf_name.rpartition(".")
@@ -100,6 +118,9 @@ class TensorNames:
             return []
         layer, role, index, suffix = m.groups()
         prefix = f"model.layers.{layer}"
+        unsuffixed = [stem for stem, where in _UNSUFFIXED.items() if where == (role, suffix)]
+        if unsuffixed and self._experts is not None:
+            return [f"{prefix}.{unsuffixed[0]}"]
         if index is None and role in self._block:
             return [f"{prefix}.{self._block[role]}.{suffix}"]
         if self._experts is None:
