@@ -254,3 +254,63 @@ def test_gpu_fp16_matches_transformers(name: str, graphs: bool, archs, hf) -> No
         errs.append(row_rel_err(got[0, -1].float().cpu(), ref[0, -1]))
     lm.unload()
     assert max(errs) < 2e-2, f"{name}: fp16 logits differ by {max(errs):.3e}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every host runs these families with no code of its own: United's folder check and load dialog, the split
+# planner, the server's model report, the generator.
+
+
+@pytest.mark.parametrize("name", ["cohere", "cohere2", "glm4", "glm4_moe", "glm4_moe_gptq", "mistral3"])
+def test_united_accepts_the_folder_and_the_planner_counts_it(name: str, archs, ours) -> None:
+    """The layout names the tensors transformers saved, so a split plan made without reading weights counts what
+    the loader holds, byte for byte."""
+    from kobold_backend.engine.config import ModelConfig
+    from kobold_backend.engine.device_map import Sizes, checkpoint_shapes, config_shapes, plan_device_map
+    from kobold_backend.engine.load_options import requested_parameters
+    from kobold_backend.host.backend import check_model_folder
+
+    built, lm = archs.get(name), ours(name)
+    assert check_model_folder(built.path) is None
+    dialog = {p["id"]: p for p in requested_parameters(built.path, {}, gpus=[])}
+    assert dialog["valid_layers"]["label"].endswith(f"/{lm.config.num_layers}")
+    shapes = checkpoint_shapes(built.path)
+    # what the engine does not read: Mistral 3's vision tower and projector, GLM-4.5's next-token-prediction layer
+    read = {k: v for k, v in shapes.items() if k.startswith(("model.embed_tokens", "model.norm", "lm_head"))
+            or k.startswith("model.layers.") and int(k.split(".")[2]) < lm.config.num_layers}
+    assert config_shapes(ModelConfig.from_dir(built.path)) == read
+    dm = plan_device_map(built.path, None, MAX_SEQ, layer_counts={"cpu": lm.config.num_layers})
+    (usage,) = dm.usage
+    assert usage.weight_bytes == lm.model.nbytes
+    sizes = Sizes(lm.config, shapes, MAX_SEQ)
+    for i, layer in enumerate(lm.model.layers):
+        held = list(layer.tensors())
+        assert sizes.layer(i, 4) == sum(w.nbytes if isinstance(w, GPTQWeight) else w.numel() * w.element_size()
+                                        for w in held)
+
+
+@pytest.mark.parametrize("name, architecture", [("cohere2", "Cohere2ForCausalLM"), ("glm4_moe", "Glm4MoeForCausalLM"),
+                                                ("mistral3", "Mistral3ForConditionalGeneration")])
+def test_server_names_the_architecture(name: str, architecture: str, archs) -> None:
+    from tests.server_helpers import make_app
+
+    app = make_app(archs.get(name).path)
+    try:
+        c = app.test_client()
+        assert c.get("/api/v1/model").get_json() == {"result": f"kobold_backend/{name}", "architecture": architecture,
+                                                     "format": "float32", "bits_per_weight": 32.0}
+    finally:
+        app.extensions["kobold_backend"].close()
+
+
+@pytest.mark.parametrize("name", ["cohere_gptq", "glm4_moe"])
+def test_generator_greedy_matches_transformers(name: str, archs, ours, hf) -> None:
+    """The engine's Generator (lane, chunked prefill, sampler at temperature 0) gives transformers' greedy tokens."""
+    from kobold_backend.engine.generator import GenerationRequest, Generator
+    from kobold_backend.engine.sampling import SamplerSettings
+
+    built, lm = archs.get(name), ours(name)
+    prompt = prompt_ids(built, 20, seed=15)
+    out = Generator(lm.model, lm.tokenizer).generate(
+        GenerationRequest(prompt[0].tolist(), 24, SamplerSettings(temperature=0), ban_eos=True))
+    assert out.token_ids == greedy_both(lm, hf(name), prompt, 24).ref_tokens

@@ -26,6 +26,9 @@ from kobold_backend.engine.moe import RoutedExperts, stack_expert_mlps
 from kobold_backend.errors import ModelFormatError
 
 
+_BIAS = "mlp.gate.e_score_correction_bias"
+
+
 def partial_ropes(raw: Dict[str, Any], config: ConfigData, where: str) -> Any:
     """One RoPE table per layer rotating head_dim * partial_rotary_factor dimensions."""
     params = rope_settings(raw) or {}
@@ -93,15 +96,18 @@ class Glm4Moe(RoutedArchitecture):
         return int(raw.get("n_shared_experts") or 0) * _count(raw, ("moe_intermediate_size",), where)
 
     def layout(self, config: ConfigData, index: int) -> LayerLayout:
+        """A routed layer lists its router bias and shared experts besides the router and routed experts."""
         layout = super().layout(config, index)
-        shared = self._shared_size(config.raw, config.model_type)
-        if not self.routed(config.raw, index) or not shared:
+        if not self.routed(config.raw, index):
             return layout
         h, mlp = config.hidden_size, dict(layout.mlp_linears)
-        mlp.update({"shared.gate": Linear("mlp.shared_experts.gate_proj", h, shared),
-                    "shared.up": Linear("mlp.shared_experts.up_proj", h, shared),
-                    "shared.down": Linear("mlp.shared_experts.down_proj", shared, h)})
-        return replace(layout, mlp_linears=mlp)
+        shared = self._shared_size(config.raw, config.model_type)
+        if shared:
+            mlp.update({"shared.gate": Linear("mlp.shared_experts.gate_proj", h, shared),
+                        "shared.up": Linear("mlp.shared_experts.up_proj", h, shared),
+                        "shared.down": Linear("mlp.shared_experts.down_proj", shared, h)})
+        experts = self.moe(config.raw, config, config.model_type).num_experts
+        return replace(layout, mlp_linears=mlp, tensors={_BIAS: (experts,)})
 
     def build_mlp(self, loader: Any, config: ConfigData, index: int) -> Optional[RoutedExperts]:
         experts = super().build_mlp(loader, config, index)
@@ -115,9 +121,8 @@ class Glm4Moe(RoutedArchitecture):
             parts = [loader.linear(mlp[f"shared.{p}"].prefix, mlp[f"shared.{p}"].in_features,
                                    mlp[f"shared.{p}"].out_features) for p in ("gate", "up", "down")]
             shared = stack_expert_mlps([parts[0]], [parts[1]], [parts[2]])
-        bias = "mlp.gate.e_score_correction_bias"
-        correction = loader.reader.get(loader.name(bias), (experts.num_experts,)).float().to(loader.device) \
-            if loader.has(bias) else None
+        correction = loader.reader.get(loader.name(_BIAS), (experts.num_experts,)).float().to(loader.device) \
+            if loader.has(_BIAS) else None
         return replace(experts, scoring="sigmoid", correction=correction, groups=groups, topk_groups=topk_groups,
                        scale=float(raw.get("routed_scaling_factor") or 1.0), shared=shared)
 
