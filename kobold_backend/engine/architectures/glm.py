@@ -25,7 +25,6 @@ from kobold_backend.engine.config_types import ConfigData, rope_settings
 from kobold_backend.engine.moe import RoutedExperts, stack_expert_mlps
 from kobold_backend.errors import ModelFormatError
 
-
 _BIAS = "mlp.gate.e_score_correction_bias"
 
 
