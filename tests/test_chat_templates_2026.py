@@ -132,3 +132,25 @@ def test_chat_route_renders_the_model_template(folders: Dict[str, Path], tmp_pat
     finally:
         app.extensions["kobold_backend"].close()
         shutil.rmtree(built.path, ignore_errors=True)
+
+
+def test_image_parts_are_refused_naming_the_vision_tower(tmp_path: Path) -> None:
+    """A multimodal checkpoint (Mistral 3) loads its text model; a chat asking for an image is refused in one
+    sentence that says why."""
+    from kobold_backend.server import ServerConfig, create_app
+    from tests.fixtures.arch2026_checkpoints import SPEC_BY_NAME, build
+    from tests.server_helpers import make_holder
+
+    built = build(SPEC_BY_NAME["mistral3"], tmp_path / "hf")
+    app = create_app(ServerConfig(), make_holder(built.path, context=128))
+    try:
+        c = app.test_client()
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        out = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, image]}], "max_tokens": 2})
+        assert out.status_code == 400
+        assert "does not load a vision tower" in out.get_json()["error"]["message"]
+        ok = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200 and ok.get_json()["usage"]["completion_tokens"] == 2
+    finally:
+        app.extensions["kobold_backend"].close()
