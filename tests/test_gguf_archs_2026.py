@@ -1,10 +1,11 @@
-"""GGUF files of Command-R, Command-R7B (Cohere 2), GLM-4 and GLM-4.5 end to end against transformers.
+"""GGUF files of Command-R, Command-R7B (Cohere 2), GLM-4, GLM-4.5 and Mistral 3 end to end against transformers.
 
 Each tiny checkpoint of tests/fixtures/arch2026_checkpoints.py is written as llama.cpp's converter writes it
 (tests/fixtures/gguf_files.py: the `gguf` package's writer and tensor-name map for command-r, cohere2, glm4 and
 glm4moe; no Q/K row permutation for these architectures; GLM's rope.dimension_count = head_dim * partial factor;
 GLM-4.5's experts stacked, its router bias as `exp_probs_b.bias`, its shared experts as `ffn_*_shexp` and its
-next-token-prediction layer counted in block_count) with a mix of block formats; the oracle is transformers in
+next-token-prediction layer counted in block_count; Mistral 3 as `mistral3`, its text model alone with llama's Q/K
+permutation, the oracle a MistralForCausalLM of the same decoder) with a mix of block formats; the oracle is transformers in
 float32 on the `gguf` package's dequantization of the same blocks.
 """
 
@@ -30,7 +31,9 @@ LOGITS_RTOL = 1e-4
 GREEDY_TOKENS = 32
 # fixture -> (GGUF architecture the file names, model_type the engine reads it as)
 FIXTURES: Dict[str, Any] = {"cohere": ("command-r", "cohere"), "cohere2": ("cohere2", "cohere2"),
-                            "glm4": ("glm4", "glm4"), "glm4_moe": ("glm4moe", "glm4_moe")}
+                            "glm4": ("glm4", "glm4"), "glm4_moe": ("glm4moe", "glm4_moe"),
+                            # the converter writes Mistral 3's text model alone, in llama's layout
+                            "mistral3": ("mistral3", "mistral")}
 
 
 @dataclasses.dataclass
@@ -104,6 +107,18 @@ def test_gguf_config_matches_the_folder(written, loaded) -> None:
     assert (mlp.groups, mlp.topk_groups, mlp.scale) == (4, 2, 2.5)
     assert mlp.gate_up.ggml_type == "Q4_1" and loaded("glm4_moe").model.layers[0].mlp is None
     assert "blk.3.nextn.eh_proj.weight" in GGUFFile(written("glm4_moe").gguf).names()
+
+
+def test_gguf_temperature_scaling_is_refused() -> None:
+    """Ministral 3's llama_4_scaling (attention temperature) is named, not silently ignored."""
+    from kobold_backend.engine.gguf.config import hf_config
+    from kobold_backend.errors import ModelFormatError
+
+    meta = {"general.architecture": "mistral3", "mistral3.embedding_length": 64, "mistral3.block_count": 2,
+            "mistral3.attention.head_count": 4, "mistral3.feed_forward_length": 128,
+            "mistral3.attention.temperature_scale": 0.1}
+    with pytest.raises(ModelFormatError, match="x.gguf: attention temperature scaling"):
+        hf_config(meta, [], "x.gguf")
 
 
 def test_gguf_glm4_fused_gate_up_stays_in_block_format(loaded) -> None:

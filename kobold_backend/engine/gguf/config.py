@@ -8,7 +8,7 @@ here as llama.cpp's loader assumes it: Gemma 2 alternates local and global layer
 local layers per global one (none without `attention.sliding_window`) with local RoPE base 10000 and no scaling
 there, and both scale q·k by head_dim ** -0.5 except the 27B models (46 / 62 layers), which use
 (hidden / heads) ** -0.5; Cohere 2 has a window on 3 of every 4 layers. A `llama` file with experts is Mixtral
-(and a Mistral 3 file is `llama`: its converter writes the text model only). GLM's `rope.dimension_count` below the
+(Mistral 3's converter writes the text model alone, as `llama` or `mistral3` in llama's layout). GLM's `rope.dimension_count` below the
 head size is its partial rotary factor; GLM-4.5's `block_count` includes its next-token-prediction layers.
 
 RoPE frequency tables stored as tensors are read as per-frequency divisors: `rope_freqs.weight` (Llama 3.1's
@@ -45,6 +45,8 @@ ARCHITECTURES: Dict[str, GGUFArchitecture] = {
     "cohere2": GGUFArchitecture("cohere2", "Cohere2ForCausalLM", permuted_qk=False),
     "glm4": GGUFArchitecture("glm4", "Glm4ForCausalLM", permuted_qk=False),
     "glm4moe": GGUFArchitecture("glm4_moe", "Glm4MoeForCausalLM", permuted_qk=False),
+    # Mistral Small 3.x: the converter writes the text model alone, in llama's layout
+    "mistral3": GGUFArchitecture("mistral", "MistralForCausalLM", permuted_qk=True),
 }
 # families whose partial rotary embedding (rope.dimension_count < head size) is read as partial_rotary_factor
 _PARTIAL_ROPE = ("glm4", "glm4_moe")
@@ -94,6 +96,9 @@ def hf_config(meta: Dict[str, Any], tensor_names: List[str], where: str,
             f"{where}: partial rotary embeddings (rope.dimension_count {rope_dim} of head size {head_dim}) "
             "are not supported."
         )
+    if key("attention.temperature_scale") is not None:
+        raise ModelFormatError(f"{where}: attention temperature scaling (Ministral 3's llama_4_scaling) is not "
+                               "supported.")
     tokens = meta.get("tokenizer.ggml.tokens") or []
     config: Dict[str, Any] = {
         "model_type": desc.model_type,
