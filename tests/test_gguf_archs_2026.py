@@ -4,9 +4,9 @@ Each tiny checkpoint of tests/fixtures/arch2026_checkpoints.py is written as lla
 (tests/fixtures/gguf_files.py: the `gguf` package's writer and tensor-name map for command-r, cohere2, glm4 and
 glm4moe; no Q/K row permutation for these architectures; GLM's rope.dimension_count = head_dim * partial factor;
 GLM-4.5's experts stacked, its router bias as `exp_probs_b.bias`, its shared experts as `ffn_*_shexp` and its
-next-token-prediction layer counted in block_count; Mistral 3 as `mistral3`, its text model alone with llama's Q/K
-permutation, the oracle a MistralForCausalLM of the same decoder) with a mix of block formats; the oracle is transformers in
-float32 on the `gguf` package's dequantization of the same blocks.
+next-token-prediction layer counted in block_count; Mistral 3 as `mistral3`, its text model alone with llama's
+Q/K permutation, the oracle a MistralForCausalLM of the same decoder) with a mix of block formats; the oracle is
+transformers in float32 on the `gguf` package's dequantization of the same blocks.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ here as llama.cpp's loader assumes it: Gemma 2 alternates local and global layer
 local layers per global one (none without `attention.sliding_window`) with local RoPE base 10000 and no scaling
 there, and both scale q·k by head_dim ** -0.5 except the 27B models (46 / 62 layers), which use
 (hidden / heads) ** -0.5; Cohere 2 has a window on 3 of every 4 layers. A `llama` file with experts is Mixtral
-(Mistral 3's converter writes the text model alone, as `llama` or `mistral3` in llama's layout). GLM's `rope.dimension_count` below the
-head size is its partial rotary factor; GLM-4.5's `block_count` includes its next-token-prediction layers.
+(Mistral 3's converter writes the text model alone, as `llama` or `mistral3` in llama's layout). GLM's
+`rope.dimension_count` below the head size is its partial rotary factor; GLM-4.5's `block_count` includes its
+next-token-prediction layers.
 
 RoPE frequency tables stored as tensors are read as per-frequency divisors: `rope_freqs.weight` (Llama 3.1's
 frequency-dependent scaling, precomputed by the converter) and Phi-3's `rope_factors_short` / `rope_factors_long`
