@@ -146,3 +146,17 @@ def test_gpu_gguf_2026_family_matches_cpu(name: str, written, loaded) -> None:
         ours = gpu.model.forward(token.cuda(), gpu_cache).float().cpu()
         assert row_rel_err(ours, ref) < 1e-2, row_rel_err(ours, ref)
     gpu.unload()
+
+
+def test_gguf_cohere2_window_pattern_key() -> None:
+    """Without `attention.sliding_window_pattern` 3 of every 4 layers are local (llama.cpp's rule); a per-layer
+    pattern in the file wins."""
+    from kobold_backend.engine.gguf.config import hf_config
+
+    meta = {"general.architecture": "cohere2", "cohere2.embedding_length": 64, "cohere2.block_count": 4,
+            "cohere2.attention.head_count": 4, "cohere2.feed_forward_length": 128, "cohere2.logit_scale": 0.25,
+            "cohere2.attention.sliding_window": 8}
+    assert hf_config(meta, [], "x.gguf")["sliding_window_pattern"] == 4
+    meta["cohere2.attention.sliding_window_pattern"] = [True, False, True, False]
+    cfg = hf_config(meta, [], "x.gguf")
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2 and cfg["logit_scale"] == 0.25

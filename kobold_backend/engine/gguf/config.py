@@ -203,7 +203,11 @@ def _cohere(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
     config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
     if arch == "cohere2":
         config["sliding_window"] = int(key("attention.sliding_window", required=True))
-        config["sliding_window_pattern"] = 4
+        pattern = key("attention.sliding_window_pattern")
+        if isinstance(pattern, list):  # per layer: true where the layer is local
+            config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+        else:
+            config["sliding_window_pattern"] = int(pattern or 4)
 
 
 def _glm4(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
