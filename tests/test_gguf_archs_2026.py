@@ -33,7 +33,9 @@ GREEDY_TOKENS = 32
 FIXTURES: Dict[str, Any] = {"cohere": ("command-r", "cohere"), "cohere2": ("cohere2", "cohere2"),
                             "glm4": ("glm4", "glm4"), "glm4_moe": ("glm4moe", "glm4_moe"),
                             # the converter writes Mistral 3's text model alone, in llama's layout
-                            "mistral3": ("mistral3", "mistral")}
+                            "mistral3": ("mistral3", "mistral"),
+                            # Mistral-Nemo: a llama file whose attention.key_length (32) is not hidden / heads (16)
+                            "nemo": ("llama", "llama")}
 
 
 @dataclasses.dataclass
