@@ -303,6 +303,7 @@ def test_server_names_the_architecture(name: str, architecture: str, archs) -> N
         c = app.test_client()
         assert c.get("/api/v1/model").get_json() == {"result": f"kobold_backend/{name}", "architecture": architecture,
                                                      "format": "float32", "bits_per_weight": 32.0}
+        assert c.get("/ui/status").get_json()["architecture"] == architecture  # what the page shows
     finally:
         app.extensions["kobold_backend"].close()
 
