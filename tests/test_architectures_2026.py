@@ -343,3 +343,52 @@ def test_awq_checkpoint_matches_transformers(name: str, tmp_path: Path) -> None:
     with torch.no_grad():
         ref = oracle_load(oracle)(ids).logits
     assert row_rel_err(lm.model.forward(ids, lm.model.new_cache(), last_only=False), ref) < LOGITS_RTOL
+
+
+def _exl2_vs_dequantized(model_type: str, extra: Any, tmp_path: Path, device: str) -> float:
+    """A synthetic EXL2 folder of the family (the bench's writer: random 3/4/5-bit groups over every projection
+    its layout names) loaded and run, against the same model with every EXL2 linear replaced by its dequantized
+    dense weight (EXL2's dequantization is checked bit for bit against exllamav2 in tests/test_exl2.py)."""
+    from kobold_backend.bench.checkpoint import Shape
+    from kobold_backend.bench.exl2_checkpoint import write_synthetic_exl2
+    from kobold_backend.engine.model import Layer
+    from kobold_backend.ops.exl2_weight import EXL2Weight, exl2_dequantize
+
+    shape = Shape(256, 512, 4, 4, 2, 256, model_type=model_type, head_dim=64, extra_config=extra)
+    path = write_synthetic_exl2(tmp_path / model_type, shape, device="cpu", max_position_embeddings=512)
+    dtype = "float16" if device == "cuda" else None
+    lm = load_model(path, device=device, dtype=dtype, with_tokenizer=False, max_seq_len=64)
+    assert lm.weight_format is not None and lm.weight_format.name == "EXL2"
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0)).to(device)
+    ours = lm.model.forward(ids, lm.model.new_cache(), last_only=False)
+    replaced = 0
+    for layer in lm.model.layers:
+        assert layer.mlp_perm is None
+        for name in Layer.PROJECTIONS:
+            w = getattr(layer, name)
+            if isinstance(w, EXL2Weight):
+                setattr(layer, name, exl2_dequantize(w).to(layer.input_norm.dtype))
+                replaced += 1
+    assert replaced >= 4 * 4
+    ref = lm.model.forward(ids, lm.model.new_cache(), last_only=False)
+    assert torch.isfinite(ours).all()
+    return row_rel_err(ours.cpu(), ref.cpu())
+
+
+EXL2_FAMILIES = [("cohere", (("use_qk_norm", True), ("logit_scale", 0.25))),
+                 ("cohere2", (("sliding_window", 8),)),
+                 ("glm4", (("attention_bias", False), ("partial_rotary_factor", 0.5)))]
+
+
+@pytest.mark.parametrize("model_type, extra", EXL2_FAMILIES, ids=[f[0] for f in EXL2_FAMILIES])
+def test_exl2_checkpoint_loads_every_projection(model_type: str, extra: Any, tmp_path: Path) -> None:
+    assert _exl2_vs_dequantized(model_type, extra, tmp_path, "cpu") < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type, extra", EXL2_FAMILIES, ids=[f[0] for f in EXL2_FAMILIES])
+def test_gpu_exl2_kernels_match_dequantized(model_type: str, extra: Any, tmp_path: Path) -> None:
+    """The EXL2 CUDA kernels in float16 against the dequantized dense weights through the same model."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    assert _exl2_vs_dequantized(model_type, extra, tmp_path, "cuda") < 1e-2
