@@ -162,3 +162,17 @@ def test_gguf_cohere2_window_pattern_key() -> None:
     meta["cohere2.attention.sliding_window_pattern"] = [True, False, True, False]
     cfg = hf_config(meta, [], "x.gguf")
     assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2 and cfg["logit_scale"] == 0.25
+
+
+def test_gguf_dense_projections_keep_their_biases(written, tmp_path: Path) -> None:
+    """GLM-4's q/k/v carry biases; stored as F16 / F32 (dense) the loader reads them as from a folder."""
+    w = written("glm4")
+    plan = dict(PLAN, attn_q="F16", attn_k="F32", attn_v="F16")
+    oracle = write_gguf(w.built.path, tmp_path / "dense", plan)
+    lm = load_model(tmp_path / "dense" / "model.gguf", device="cpu", max_seq_len=96)
+    layer = lm.model.layers[0]
+    assert isinstance(layer.qkv_proj, torch.Tensor) and "qkv_proj" in layer.biases
+    ids = prompt_ids(w.built, 24, seed=3)
+    with torch.no_grad():
+        ref = hf_load(oracle)(ids).logits
+    assert row_rel_err(lm.model.forward(ids, lm.model.new_cache(), last_only=False), ref) < LOGITS_RTOL
