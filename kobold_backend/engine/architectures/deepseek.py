@@ -107,6 +107,9 @@ class DeepseekV2(RoutedArchitecture):
                        _count(raw, ("num_experts_per_tok",), where), _count(raw, ("moe_intermediate_size",), where),
                        self.renormalize(raw))
 
+    def unused_layers(self, raw: Dict[str, Any]) -> int:
+        return int(raw.get("num_nextn_predict_layers") or 0)  # V3's multi-token-prediction layers
+
     def renormalize(self, raw: Dict[str, Any]) -> bool:
         return False  # transformers' DeepSeek-V2 router never renormalises
 
