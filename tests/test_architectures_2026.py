@@ -100,6 +100,22 @@ def test_graph_step_matches_forward(name: str, archs, ours) -> None:
         token = ref.argmax().view(1, 1)
 
 
+@pytest.mark.parametrize("name", ["cohere2", "glm4_moe", "glm4"])
+def test_multi_row_decode_step_equals_the_prompt_forward(name: str, archs, ours) -> None:
+    """Five rows fed at a device position in one decode_step (a speculative verification, a chat turn in a graph):
+    Cohere 2's windows and global layers without RoPE, and GLM's partial (split or interleaved) rotary embedding
+    with its per-head q/k order, give the prompt forward's logits."""
+    model = ours(name).model
+    ids = prompt_ids(archs.get(name), 45, seed=5)
+    eager, rows = model.new_cache(), model.new_cache()
+    for cache in (eager, rows):
+        model.forward(ids[:, :40], cache)
+    want = model.forward(ids[:, 40:], eager, last_only=False)
+    got = model.decode_step(ids[:, 40:], torch.tensor([40]), rows, MAX_SEQ)
+    assert got.shape == want.shape == (1, 5, model.config.vocab_size)
+    assert row_rel_err(got, want) < 1e-5
+
+
 @pytest.mark.parametrize("name", ["cohere", "glm4"])
 def test_context_shift_rerotates_permuted_keys(name: str, archs) -> None:
     """Cached keys are stored in the model's per-head order (interleaved / partial RoPE moved to rotate-half):
