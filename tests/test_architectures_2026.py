@@ -146,7 +146,8 @@ def test_features_are_read(ours) -> None:
     assert glm4.layers[0].gate_up_proj is not None and glm4.layers[0].attn_out_norm is not None
     assert moe.layers[0].mlp is None and len(moe.layers) == 3
     mlp = moe.layers[1].mlp
-    assert isinstance(mlp, RoutedExperts) and mlp.routing == Routing("sigmoid", 2.5, 4, 2) and mlp.shared is not None
+    assert isinstance(mlp, RoutedExperts) and mlp.shared is not None
+    assert mlp.routing == Routing("sigmoid", 2.5, 4, 2, fp32=True)
     assert (mlp.top_k, mlp.num_experts) == (2, 8)
     assert mlp.correction_bias is not None and mlp.correction_bias.dtype == torch.float32
 
@@ -168,6 +169,28 @@ def test_glm4_moe_grouping_changes_the_choice(ours) -> None:
     for plain in (replace(mlp, routing=replace(mlp.routing, n_group=1, topk_group=1)),
                   replace(mlp, correction_bias=None)):
         assert not torch.equal(plain.route(rows)[1].sort(dim=-1).values, experts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glm4_moe_routing_matches_transformers_router(dtype: torch.dtype, ours) -> None:
+    """The loaded GLM-4.5 block's routing (DeepSeek-V3's sigmoid routing: groups ranked by their two best biased
+    scores, router in float32) against transformers' Glm4MoeTopkRouter on 64 random rows, also from bfloat16 rows
+    (both cast them up): the same experts with the same weights."""
+    from transformers.models.glm4_moe import modeling_glm4_moe
+
+    mlp = ours("glm4_moe").model.layers[1].mlp
+    config = transformers.Glm4MoeConfig(hidden_size=64, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                                        topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+    router = modeling_glm4_moe.Glm4MoeTopkRouter(config)
+    router.weight.data = mlp.router.float().clone()
+    router.e_score_correction_bias.data = mlp.correction_bias.clone()
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    with torch.no_grad():
+        _, ref_w, ref_e = router(x)
+    w, e = mlp.route(x)
+    order, ref_order = e.argsort(-1), ref_e.argsort(-1)
+    assert torch.equal(e.gather(1, order), ref_e.gather(1, ref_order))
+    assert torch.allclose(w.float().gather(1, order), ref_w.float().gather(1, ref_order).to(dtype).float(), atol=1e-6)
 
 
 def test_glm4_moe_gathered_path_equals_grouped(ours) -> None:

@@ -106,7 +106,7 @@ def test_gguf_config_matches_the_folder(written, loaded) -> None:
                                                                          pytest.approx(ref.rms_norm_eps)), name
     mlp = loaded("glm4_moe").model.layers[1].mlp
     assert isinstance(mlp, RoutedExperts) and mlp.shared is not None and mlp.correction_bias is not None
-    assert mlp.routing == Routing("sigmoid", 2.5, 4, 2)
+    assert mlp.routing == Routing("sigmoid", 2.5, 4, 2, fp32=True)
     assert mlp.gate_up.ggml_type == "Q4_1" and loaded("glm4_moe").model.layers[0].mlp is None
     assert "blk.3.nextn.eh_proj.weight" in GGUFFile(written("glm4_moe").gguf).names()
 

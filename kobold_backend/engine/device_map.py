@@ -60,6 +60,7 @@ def config_shapes(config: ModelConfig) -> Shapes:
         for ckpt, size in layout.norms.values():
             shapes[f"{p}.{ckpt}.weight"] = size if isinstance(size, tuple) else (size,)
         shapes.update({f"{p}.{name}": shape for name, shape in layout.tensors.items()})
+        shapes.update({f"{p}.{name}": shape for name, shape in layout.extras.values()})
         for name, lin in {**layout.linears, **layout.mlp_linears}.items():
             k, n = lin.in_features, lin.out_features
             if name in layout.biased:

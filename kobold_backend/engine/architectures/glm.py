@@ -20,12 +20,10 @@ from dataclasses import replace
 from typing import Any, Dict, Optional
 
 from kobold_backend.engine.architectures.base import Architecture, Features, LayerLayout, Linear, RopeSpec, register
-from kobold_backend.engine.architectures.moe import MoeSpec, RoutedArchitecture, _count
+from kobold_backend.engine.architectures.moe import CORRECTION_BIAS, MoeSpec, RoutedArchitecture, _count
 from kobold_backend.engine.config_types import ConfigData, rope_settings
 from kobold_backend.engine.moe import DenseMLP, RoutedExperts, Routing
 from kobold_backend.errors import ModelFormatError
-
-_BIAS = "mlp.gate.e_score_correction_bias"
 
 
 def partial_ropes(raw: Dict[str, Any], config: ConfigData, where: str) -> Any:
@@ -106,7 +104,7 @@ class Glm4Moe(RoutedArchitecture):
                         "shared.up": Linear("mlp.shared_experts.up_proj", h, shared),
                         "shared.down": Linear("mlp.shared_experts.down_proj", shared, h)})
         experts = self.moe(config.raw, config, config.model_type).num_experts
-        return replace(layout, mlp_linears=mlp, tensors={_BIAS: (experts,)})
+        return replace(layout, mlp_linears=mlp, tensors={CORRECTION_BIAS: (experts,)})
 
     def build_mlp(self, loader: Any, config: ConfigData, index: int) -> Optional[RoutedExperts]:
         experts = super().build_mlp(loader, config, index)
@@ -120,8 +118,8 @@ class Glm4Moe(RoutedArchitecture):
             shared = DenseMLP(*(loader.linear(mlp[f"shared.{p}"].prefix, mlp[f"shared.{p}"].in_features,
                                               mlp[f"shared.{p}"].out_features) for p in ("gate", "up", "down")),
                               experts.act)
-        correction = loader.dense(_BIAS, (experts.num_experts,)).float() if loader.has(_BIAS) else None
-        routing = Routing("sigmoid", float(raw.get("routed_scaling_factor") or 1.0), groups, topk_groups)
+        correction = self.correction_bias(loader, experts.num_experts)
+        routing = Routing("sigmoid", float(raw.get("routed_scaling_factor") or 1.0), groups, topk_groups, fp32=True)
         return replace(experts, routing=routing, correction_bias=correction, shared=shared)
 
 register(Glm4())
