@@ -271,9 +271,17 @@ def test_the_planner_counts_what_the_loader_holds(name: str, archs, ours) -> Non
     (usage,) = dm.usage
     assert usage.weight_bytes == lm.model.nbytes
     assert usage.cache_bytes == lm.model.new_cache().nbytes
-    sizes = Sizes(lm.config, checkpoint_shapes(built.path), MAX_SEQ)
+    shapes = checkpoint_shapes(built.path)
+    sizes = Sizes(lm.config, shapes, MAX_SEQ)
     for i, layer in enumerate(lm.model.layers):
         assert sizes.layer(i, 4) == sum(w.numel() * w.element_size() for w in layer.tensors())
+        # the layout's other tensors (gpt-oss's sinks, DeepSeek-V3's router bias) are the checkpoint's, as the
+        # planner's config_shapes lists them
+        layout = lm.config.description.layout(lm.config, i)
+        listed = {f"model.layers.{i}.{name}": shape for name, shape in layout.extras.values()}
+        listed.update({f"model.layers.{i}.{name}": shape for name, shape in layout.tensors.items()})
+        assert {k: shapes.get(k) for k in listed} == listed
+        assert bool(listed) == (name != "deepseek_v2" and (name == "gpt_oss" or layer.mlp is not None))
 
 
 # ---------------------------------------------------------------------------------------------------------------

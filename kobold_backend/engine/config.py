@@ -86,6 +86,7 @@ class ModelConfig(ConfigData):
         model_type = raw.get("model_type")
         archs = raw.get("architectures") or []
         arch = lookup(model_type, archs, where)
+        raw = arch.text_config(raw, where)
         try:
             hidden = int(raw["hidden_size"])
             inter = int(raw["intermediate_size"])
@@ -122,7 +123,7 @@ class ModelConfig(ConfigData):
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             vocab_size=vocab,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", raw.get("layer_norm_eps", 1e-6))),
             rope_theta=rope_theta(raw),
             rope_scaling=parse_rope_scaling(raw, rope_settings(raw), head_dim, where),
             max_position_embeddings=max_pos,

@@ -51,7 +51,9 @@ EXL2_QUANT = QuantConfig(bits=0, group_size=-1, sym=True, checkpoint_format="exl
 @dataclass(frozen=True)
 class RopeSpec:
     """One RoPE table: its base, its scaling (None: plain) and how many leading dimensions of a head it rotates
-    (0: all of head_dim; DeepSeek's MLA rotates only its `qk_rope_head_dim` part)."""
+    (0: all of head_dim); its frequencies are spread over those `dim` dimensions. Fewer rotate GLM's partial
+    rotary part (`partial_rotary_factor`: the others pass through) and DeepSeek's separate `qk_rope_head_dim` part
+    of its latent attention; engine/rope.py says how each reads its table."""
 
     theta: float
     scaling: Optional[RopeScaling] = None
@@ -76,10 +78,17 @@ class Features:
     - `attn_scale`: multiplies q·k (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5).
     - `attn_softcap` / `final_softcap`: `c * tanh(x / c)` on attention scores / final logits (Gemma 2).
     - `windows`: per layer, the sliding-window length (None: full attention).
-    - `ropes`: per layer, the RoPE table it uses (Gemma 3 local/global layers differ).
+    - `ropes`: per layer, the RoPE table it uses (Gemma 3 local/global layers differ); None: the layer has no
+      rotary embedding at all (Cohere 2's global layers).
     - `cache_shape`: (kv heads, key size, value size) of one cached position when the layers' attention objects
       (Layer.attn, e.g. DeepSeek's latent attention) cache something else than num_kv_heads x head_dim K and V;
       such caches are kept in the layers' dtype only (`quantized_cache` False).
+    - `norm`: "rms" (RMSNorm) or "layer" (LayerNorm without bias: mean removed, Cohere); q/k norms follow it.
+    - `parallel_block`: attention and MLP both read the input norm's output and are added to the residual
+      together (Cohere); `post_norm` is then absent.
+    - `logit_scale`: final logits are multiplied by it (Cohere).
+    - `rope_interleaved`: RoPE rotates pairs of neighbouring head dimensions (2i, 2i + 1) instead of the halves
+      (i, i + dim / 2); the model reorders q and k per head so the rotate-half kernels serve both.
     """
 
     biases: Tuple[str, ...] = ()
@@ -93,8 +102,12 @@ class Features:
     attn_softcap: Optional[float] = None
     final_softcap: Optional[float] = None
     windows: Tuple[Optional[int], ...] = ()
-    ropes: Tuple[RopeSpec, ...] = ()
+    ropes: Tuple[Optional[RopeSpec], ...] = ()
     cache_shape: Tuple[int, int, int] = (0, 0, 0)
+    norm: str = "rms"
+    parallel_block: bool = False
+    logit_scale: Optional[float] = None
+    rope_interleaved: bool = False
 
     @property
     def quantized_cache(self) -> bool:
@@ -137,7 +150,7 @@ class ConfigData:
         """The sliding-window length of layer `index`, None for full attention."""
         return self.features.windows[index]
 
-    def layer_rope(self, index: int) -> RopeSpec:
+    def layer_rope(self, index: int) -> Optional[RopeSpec]:
         return self.features.ropes[index]
 
 

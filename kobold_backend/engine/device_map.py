@@ -42,6 +42,7 @@ class PlanError(KoboldBackendError, ValueError):
 def checkpoint_shapes(folder: Union[str, Path]) -> Shapes:
     """Every tensor's shape from the safetensors headers; no tensor data is read."""
     with WeightReader(folder) as reader:
+        reader.rename(ModelConfig.from_dir(folder).description.stored_names(reader.names()))
         return {name: reader.shape(name) for name in reader.names()}
 
 
@@ -57,7 +58,9 @@ def config_shapes(config: ModelConfig) -> Shapes:
         p = f"model.layers.{i}"
         layout = config.description.layout(config, i)
         for ckpt, size in layout.norms.values():
-            shapes[f"{p}.{ckpt}.weight"] = (size,)
+            shapes[f"{p}.{ckpt}.weight"] = size if isinstance(size, tuple) else (size,)
+        shapes.update({f"{p}.{name}": shape for name, shape in layout.tensors.items()})
+        shapes.update({f"{p}.{name}": shape for name, shape in layout.extras.values()})
         for name, lin in {**layout.linears, **layout.mlp_linears}.items():
             k, n = lin.in_features, lin.out_features
             if name in layout.biased:
@@ -146,7 +149,8 @@ class Sizes:
                 total += self._exl2(name[: -len(".q_weight")])
             elif name.endswith("_blocks"):  # MXFP4 (gpt-oss's experts), dequantized at load: 32 values per 16 bytes
                 total += _numel(shape) * 2 * elem
-            elif name.endswith((".weight", ".bias", "_bias", "_proj", ".sinks")):  # incl. gpt-oss's stacked experts
+            # `_proj`: gpt-oss's stacked experts; `_bias`: GLM-4.5's and DeepSeek-V3's e_score_correction_bias
+            elif name.endswith((".weight", ".bias", "_bias", "_proj", ".sinks")):
                 total += _numel(shape) * elem
         return total
 

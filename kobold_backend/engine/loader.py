@@ -129,6 +129,7 @@ def load_model(
         config = ModelConfig.from_dir(folder)
         tokenizer = load_tokenizer(folder, config.bos_token_id, config.eos_token_ids) if with_tokenizer else None
         reader = WeightReader(folder)
+        reader.rename(config.description.stored_names(reader.names()))
         config = with_exl2_detected(config, reader.names())
     with reader:
         if speculative == "draft" and draft_model is not None and tokenizer is not None:
@@ -209,12 +210,13 @@ def context_limit(config: ModelConfig, rope_alpha: float = 1.0, compress_pos_emb
 
 def check_against_headers(config: ModelConfig, reader: Union[WeightReader, GGUFWeights]) -> None:
     """config.json against the safetensors headers before anything is allocated from its sizes: the layer count
-    and the embedding shape must be those of the tensors in the files. DeepSeek-V3's multi-token-prediction layers
-    (`num_nextn_predict_layers`, stored after the decoder's) may be present; they are not read."""
+    and the embedding shape must be those of the tensors in the files. Layers stored after the decoder's that
+    inference does not run (`Architecture.unused_layers`: DeepSeek-V3's and GLM-4.5's multi-token prediction) may
+    be present; they are not read."""
     layers = {int(name.split(".")[2]) for name in reader.names()
               if name.startswith("model.layers.") and name.split(".")[2].isdigit()}
-    extra = int(config.raw.get("num_nextn_predict_layers") or 0)
-    if layers != set(range(config.num_layers)) and layers != set(range(config.num_layers + extra)):
+    unused = config.description.unused_layers(config.raw)
+    if layers != set(range(config.num_layers)) and layers != set(range(config.num_layers + unused)):
         raise ModelFormatError(
             f"config.json says num_hidden_layers {config.num_layers} but the checkpoint in {reader.folder} holds "
             f"{len(layers)} layers.")
@@ -317,9 +319,10 @@ def _load_layer(ctx: LayerLoader, index: int) -> Layer:
         if name in layout.biased and not isinstance(weights[name], (GPTQWeight, GGMLWeight, EXL2Weight)):
             biases[name] = ctx.dense(f"{lin.prefix}.bias", (lin.out_features,))
     offset = config.features.norm_offset
-    norms = {field_name: ctx.dense(f"{ckpt}.weight", (size,), offset)
+    norms = {field_name: ctx.dense(f"{ckpt}.weight", size if isinstance(size, tuple) else (size,), offset)
              for field_name, (ckpt, size) in layout.norms.items()}
     norms.update({field_name: ctx.dense(ckpt, shape) for field_name, (ckpt, shape) in layout.extras.items()})
+    norms.setdefault("post_norm", None)  # a parallel block has no norm of its own in front of the MLP
     layer = Layer(
         q_proj=weights.get("q_proj"), k_proj=weights.get("k_proj"), v_proj=weights.get("v_proj"),
         o_proj=weights["o_proj"], gate_proj=weights.get("gate_proj"), up_proj=weights.get("up_proj"),
@@ -378,12 +381,15 @@ def _build(
     else:
         lm_head = LayerLoader(reader, config, "", main, head_dt).linear("lm_head", h, config.vocab_size)
     tick("head")
-    tables: Dict[Tuple[torch.device, torch.dtype, RopeSpec], Tuple[torch.Tensor, torch.Tensor]] = {}
+    tables: Dict[Tuple[torch.device, torch.dtype, Optional[RopeSpec], int], Tuple[torch.Tensor, torch.Tensor]] = {}
     cos, sin = [], []
     for index, layer in enumerate(layers):
-        key = (layer.device, _dtype_for(layer.device, dtype), config.layer_rope(index))
+        rope = config.layer_rope(index)
+        # an attention object (DeepSeek's latent attention) reads a table of its rotated part only
+        width = rope.dim if rope is not None and layer.attn is not None else 0
+        key = (layer.device, _dtype_for(layer.device, dtype), rope, width)
         if key not in tables:
-            tables[key] = cos_sin_tables(config, seq_len, key[0], key[1], rope_alpha, compress_pos_emb, key[2])
+            tables[key] = cos_sin_tables(config, seq_len, key[0], key[1], rope_alpha, compress_pos_emb, rope, width)
         cos.append(tables[key][0])
         sin.append(tables[key][1])
     return Model(config, embed, layers, norm, lm_head, cos, sin, head_dt, seq_len, cache_dtype)

@@ -1,7 +1,8 @@
 """The decoder-only transformer: Model.forward(ids, cache) -> logits, reading top to bottom.
 
 One generic layer serves every architecture: what differs between families (biases, q/k norm, extra norms,
-activation, scales, soft-capping, sliding windows, RoPE tables per layer, a routed MLP) is read from
+RMSNorm or LayerNorm, a parallel attention/MLP block, activation, scales, soft-capping, sliding windows, RoPE
+tables per layer, interleaved or partial RoPE, a routed MLP) is read from
 `config.features` and from the tensors the loader placed in each `Layer`, as described in engine/architectures.
 Each layer calls `kobold_backend.ops`, which runs the native kernels where they are loaded.
 A `passthrough` (ForwardHooks, see engine/passthrough/base.py) may observe or change the residual stream
@@ -51,6 +52,22 @@ def project(x: torch.Tensor, w: Weight, bias: Optional[torch.Tensor] = None) -> 
     return ops.linear(x, w, bias)
 
 
+def head_permutation(head_dim: int, rope_dim: int, interleaved: bool) -> Optional[torch.Tensor]:
+    """The order of a head's dimensions that puts the checkpoint's rotated pair i at (i, i + head_dim / 2): entry
+    p is the checkpoint dimension stored at p. Pairs are (2i, 2i + 1) when `interleaved`, else (i, i + rope_dim / 2),
+    for i < rope_dim / 2; dimensions from rope_dim on pass through. None when the order is already that one."""
+    rope_dim = rope_dim or head_dim
+    pairs = rope_dim // 2
+    first = [2 * i for i in range(pairs)] if interleaved else list(range(pairs))
+    second = [2 * i + 1 for i in range(pairs)] if interleaved else [pairs + i for i in range(pairs)]
+    rest = list(range(rope_dim, head_dim))
+    split = len(rest) // 2
+    order = first + rest[:split] + second + rest[split:]
+    if order == list(range(head_dim)):
+        return None
+    return torch.tensor(order, dtype=torch.long)
+
+
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
@@ -69,12 +86,13 @@ def _size(w: Any) -> int:
 class Layer:
     """Weights of one decoder block, all on `device`.
 
-    `post_norm` is the norm in front of the MLP. The optional tensors are set only by architectures that use them:
-    `q_norm`/`k_norm` (per-head RMSNorm weights [head_dim]), `attn_out_norm`/`mlp_out_norm` (norms on the attention
-    and MLP outputs before the residual add), `biases` (dense projections' biases by projection name; GPTQ layers
-    keep theirs), `sinks` (per-head attention-sink logits [num_heads], gpt-oss), `attn`, an attention object
-    (engine/mla.py) called instead of q/k/v, and `mlp`, a routed MLP object called as `mlp(x, index, passthrough)`
-    instead of gate/up/down.
+    `post_norm` is the norm in front of the MLP (None in a parallel block, whose MLP reads `input_norm`'s
+    output). The optional tensors are set only by architectures that use them: `q_norm`/`k_norm` (norm weights
+    applied to every head [head_dim], or per head [heads, head_dim] as Cohere's), `attn_out_norm`/`mlp_out_norm`
+    (norms on the attention and MLP outputs before the residual add), `biases` (dense projections' biases by
+    projection name; GPTQ layers keep theirs), `sinks` (per-head attention-sink logits [num_heads], gpt-oss),
+    `attn`, an attention object (engine/mla.py) called instead of q/k/v, and `mlp`, a routed MLP object called as
+    `mlp(x, index, passthrough)` instead of gate/up/down.
     `mlp_perm` is set when an act-order down_proj's input permutation was folded into gate/up's outputs
     (engine/mlp_fold.py): the intermediate is stored in that order, feature j being the checkpoint's mlp_perm[j].
     """
@@ -84,7 +102,7 @@ class Layer:
     k_proj: Optional[Weight]
     v_proj: Optional[Weight]
     o_proj: Weight
-    post_norm: torch.Tensor
+    post_norm: Optional[torch.Tensor]
     gate_proj: Optional[Weight]
     up_proj: Optional[Weight]
     down_proj: Optional[Weight]
@@ -195,7 +213,17 @@ class Model:
         self.device = norm.device
         self.scale = self.features.attn_scale or config.head_dim ** -0.5
         self.windows = self.features.windows
-        self.rope_factors = [rope.attention_factor for rope in self.features.ropes]
+        self.rope_factors = [1.0 if rope is None else rope.attention_factor for rope in self.features.ropes]
+        layer_norm = self.features.norm == "layer"
+        self._norm = ops.layer_norm if layer_norm else ops.rms_norm
+        self._add_norm = ops.add_layer_norm if layer_norm else ops.add_rms_norm
+        # per layer: the order of each q/k head that puts the rotated pairs where the rotate-half kernels read them
+        # (an attention object orders its own rotated part: DeepSeek's latent attention)
+        self.rope_perms: List[Optional[torch.Tensor]] = []
+        for rope, layer in zip(self.features.ropes, layers):
+            perm = None if rope is None or layer.attn is not None else \
+                head_permutation(config.head_dim, rope.dim, self.features.rope_interleaved)
+            self.rope_perms.append(None if perm is None else perm.to(layer.device))
         self.activation = ACTIVATIONS[self.features.activation]
         scale = self.features.embed_scale
         # rounded to the embedding dtype once, as transformers' Gemma rounds its normalizer; a Python float then
@@ -294,7 +322,9 @@ class Model:
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = h.to(device=self.device, dtype=self.dtype)
-        logits = project(ops.rms_norm(h, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        logits = project(self._norm(h, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        if self.features.logit_scale is not None:
+            logits = logits * self.features.logit_scale
         cap = self.features.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -311,24 +341,30 @@ class Model:
     ) -> torch.Tensor:
         cfg = self.config
         eps = cfg.rms_norm_eps
-        x = ops.rms_norm(h, layer.input_norm, eps)
+        x = self._norm(h, layer.input_norm, eps)
         if layer.attn is not None:
             a = layer.attn(x, cache.k[index], self.cos[index], self.sin[index], pos, self.scale, pos_t, length)
         else:
             a = self._attention(index, layer, x, cache, pos, passthrough, pos_t, length)
         a = self._proj(index, layer, "o_proj", a, passthrough)
         if layer.attn_out_norm is not None:
-            a = ops.rms_norm(a, layer.attn_out_norm, eps)
-        x, h = ops.add_rms_norm(a, h, layer.post_norm, eps)
+            a = self._norm(a, layer.attn_out_norm, eps)
+        if self.features.parallel_block:
+            return h + a + self._mlp(index, layer, x, passthrough)
+        x, h = self._add_norm(a, h, layer.post_norm, eps)
+        return h + self._mlp(index, layer, x, passthrough)
+
+    def _mlp(self, index: int, layer: Layer, x: torch.Tensor, passthrough: Optional[ForwardHooks]) -> torch.Tensor:
+        """The MLP's output for the normed input x (routed or dense), with its output norm when it has one."""
         if layer.mlp is not None:
             out = layer.mlp(x, index, passthrough)
         else:
-            gate, up = self._projs(index, layer, "gate_up_proj", GATE_UP,
-                                   (cfg.intermediate_size, cfg.intermediate_size), x, passthrough)
+            inter = self.config.intermediate_size
+            gate, up = self._projs(index, layer, "gate_up_proj", GATE_UP, (inter, inter), x, passthrough)
             out = self._proj(index, layer, "down_proj", self.activation(gate, up), passthrough)
         if layer.mlp_out_norm is not None:
-            out = ops.rms_norm(out, layer.mlp_out_norm, eps)
-        return h + out
+            out = self._norm(out, layer.mlp_out_norm, self.config.rms_norm_eps)
+        return out
 
     def _attention(
         self,
@@ -351,8 +387,11 @@ class Model:
         k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
         if layer.q_norm is not None and layer.k_norm is not None:
-            q = ops.rms_norm(q, layer.q_norm, eps)
-            k = ops.rms_norm(k, layer.k_norm, eps)
+            q = self._norm(q, layer.q_norm, eps)
+            k = self._norm(k, layer.k_norm, eps)
+        perm = self.rope_perms[index]
+        if perm is not None:
+            q, k = q.index_select(-1, perm), k.index_select(-1, perm)
         k_cache, v_cache = cache.k[index], cache.v[index]
         window, cap = self.windows[index], self.features.attn_softcap
         if pos_t is not None:

@@ -1,4 +1,4 @@
-"""Routed experts (Mixtral, Qwen3-MoE): a softmax router picks the top-k experts of each token and only those run.
+"""Routed experts (Mixtral, Qwen3-MoE, GLM-4.5): a router picks the top-k experts of each token and only those run.
 
 Every projection of the experts is stacked on a leading expert axis (`ExpertStack`), dense, GPTQ or a GGML block
 format (GGUF's stacked `ffn_*_exps` tensors, rows kept as stored), so an expert is a view and a set of experts can
@@ -14,11 +14,13 @@ Routing follows transformers, in float32, by `Routing.scoring`:
 - "softmax" (Mixtral, Qwen3-MoE, DeepSeek-V2): softmax over the router logits, top-k, optional renormalisation of
   the k weights to sum 1 (always for Mixtral, `norm_topk_prob` for Qwen3-MoE);
 - "topk_softmax" (gpt-oss): top-k of the (biased) router logits, softmax over those k;
-- "sigmoid" (DeepSeek-V3): sigmoid scores; the choice ranks scores + `correction_bias`, restricted to the
-  `topk_group` best of `n_group` expert groups (a group ranked by the sum of its two best), the weights are the
-  plain scores of the chosen, optionally renormalised.
-Weights are then multiplied by `scale` (DeepSeek's routed_scaling_factor) and cast to the compute dtype; an expert's
+- "sigmoid" (DeepSeek-V3, GLM-4.5): sigmoid scores; the choice ranks scores + `correction_bias`
+  (`e_score_correction_bias`), restricted to the `topk_group` best of `n_group` expert groups (a group ranked by
+  the sum of its two best), the weights are the plain scores of the chosen, optionally renormalised (+1e-20).
+DeepSeek's and GLM-4.5's router projections run in float32 (`Routing.fp32`), as transformers' do.
+Weights are then multiplied by `scale` (`routed_scaling_factor`) and cast to the compute dtype; an expert's
 output is down(act(gate(x) [+ b], up(x) [+ b])) [+ b] scaled by its routing weight, summed over the k experts.
+`shared` experts (DeepSeek, GLM-4.5: one dense MLP of all of them together) run on every token and are added.
 """
 
 from __future__ import annotations
@@ -138,6 +140,9 @@ class Routing:
     scale: float = 1.0
     n_group: int = 1
     topk_group: int = 1
+    #: the router projection runs in float32, a dense router's input and weight cast up (transformers' DeepSeek-V2/V3
+    #: and GLM-4.5 routers); otherwise in the compute dtype (Mixtral, Qwen3-MoE, gpt-oss)
+    fp32: bool = False
 
 
 @dataclass
@@ -199,10 +204,14 @@ class RoutedExperts:
 
     def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(weights [M, k] in x's dtype, expert ids [M, k]) for rows x [M, H]."""
-        logits = _project(x, self.router).float()
+        scoring = self.routing.scoring
+        router = self.router
+        if self.routing.fp32 and isinstance(router, torch.Tensor):
+            logits = ops.linear(x.float(), router.float())
+        else:
+            logits = _project(x, router).float()
         if self.router_bias is not None:
             logits = logits + self.router_bias.float()
-        scoring = self.routing.scoring
         if scoring == "topk_softmax":
             top, experts = logits.topk(self.top_k, dim=-1)
             weights = torch.softmax(top, dim=-1)

@@ -4,6 +4,13 @@ A model may use several tables (Gemma 3's local and global layers); each layer's
 LongRoPE (Phi-3) picks its short or long factors once per table, by the table's length: transformers switches
 per forward call (long once a call reaches past `original_max_position_embeddings`), which would leave keys
 rotated two ways in one cache; here every cached key uses the same table, as llama.cpp does by context size.
+
+Partial rotary embeddings (`RopeSpec.dim` < head_dim: GLM) and layers without any (`None`: Cohere 2's global
+layers) use tables of the full head size whose pass-through columns have frequency 0 (cos 1, sin 0), and
+`model.head_permutation` orders each head of q and k so that the rotated pairs, interleaved (2i, 2i + 1) or split
+(i, i + dim / 2) in the checkpoint, sit at (i, i + head_dim / 2) where the rotate-half kernels expect them; the
+permutation is applied to q and k alike, so q·k is unchanged. DeepSeek's latent attention rotates a separate
+`qk_rope_head_dim` part of its query and key (`RopeSpec.dim` too): its table is only that wide (`width`).
 """
 
 from __future__ import annotations
@@ -73,19 +80,30 @@ def cos_sin_tables(
     rope_alpha: float = 1.0,
     compress_pos_emb: float = 1.0,
     rope: Optional[RopeSpec] = None,
+    width: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [max_seq_len, head_dim] in the rotate-half layout, times the RoPE attention factor.
+    """cos and sin tables [max_seq_len, width] in the rotate-half layout, the rotated columns times the RoPE
+    attention factor; columns a partial RoPE passes through, and every column of a layer without RoPE
+    (`rope=None`), hold cos 1 and sin 0.
 
-    `rope` selects the table (default: the config's rope_theta and rope_scaling)."""
-    rope = rope or RopeSpec(config.rope_theta, config.rope_scaling)
+    `rope` selects the table (default: the config's rope_theta and rope_scaling); `width` is head_dim when 0 (a
+    q/k head, GLM's partial rotary included), or `rope.dim` for an attention that keeps its rotated part apart
+    (DeepSeek's latent attention), whose table then has no pass-through columns."""
+    half = (width or config.head_dim) // 2
+    if rope is None:
+        ones = torch.ones(max_seq_len, 2 * half, device=device, dtype=dtype)
+        return ones, torch.zeros_like(ones)
     inv = inverse_frequencies(config, rope_alpha, rope, max_seq_len)
     scale = compress_pos_emb
     if rope.scaling is not None and rope.scaling.rope_type == "linear":
         scale *= rope.scaling.factor
     t = torch.arange(max_seq_len, dtype=torch.float64) / scale
     freqs = torch.outer(t, inv)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos(), emb.sin()
-    if rope.attention_factor != 1.0:
-        cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
+    cos, sin = freqs.cos() * rope.attention_factor, freqs.sin() * rope.attention_factor
+    rotated = inv.shape[0]
+    if rotated < half:
+        cos = torch.cat((cos, torch.ones(max_seq_len, half - rotated, dtype=cos.dtype)), dim=-1)
+        sin = torch.cat((sin, torch.zeros(max_seq_len, half - rotated, dtype=sin.dtype)), dim=-1)
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from kobold_backend.ops.gptq_weight import GPTQWeight
 
 __all__ = [
+    "add_layer_norm",
     "add_rms_norm",
     "attention",
     "clamped_swiglu_mul",
@@ -31,6 +32,7 @@ __all__ = [
     "ggml_matmul",
     "gptq_dequantize",
     "gptq_matmul",
+    "layer_norm",
     "linear",
     "rms_norm",
     "rope_cache_write",
@@ -62,6 +64,17 @@ def add_rms_norm(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     k = _kernels(x)
     return reference.add_rms_norm(x, residual, weight, eps) if k is None else k.add_rms_norm(x, residual, weight, eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm without bias (Cohere); torch only: it runs once per layer, beside the projections."""
+    return reference.layer_norm(x, weight, eps)
+
+
+def add_layer_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    return reference.add_layer_norm(x, residual, weight, eps)
 
 
 def gptq_matmul(x: torch.Tensor, w: GPTQWeight) -> torch.Tensor:

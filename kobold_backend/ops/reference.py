@@ -25,6 +25,21 @@ def add_rms_norm(
     return rms_norm(residual_out, weight, eps), residual_out
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm without bias over the last axis, in float32 (Cohere's): (x - mean) / sqrt(var + eps) * weight."""
+    xf = x.float()
+    centered = xf - xf.mean(-1, keepdim=True)
+    y = centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def add_layer_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    residual_out = x + residual
+    return layer_norm(residual_out, weight, eps), residual_out
+
+
 def unpack_rows(qweight: torch.Tensor, bits: int = 4) -> torch.Tensor:
     """[K*bits/32, N] int32 -> [K, N] int32 (row (32/bits)r+j from bits bits*j.. of word r)."""
     per = 32 // bits

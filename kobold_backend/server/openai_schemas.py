@@ -239,6 +239,9 @@ def _content(i: int, message: Dict[str, Any]) -> str:
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in ("image_url", "image", "input_image"):
+                raise invalid(f"messages[{i}].content[{j}]", "Image inputs are not supported: this engine runs "
+                                                             "the text model only and does not load a vision tower.")
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise invalid(f"messages[{i}].content[{j}]", "Only {\"type\": \"text\", \"text\": ...} content "
                                                              "parts are supported.")

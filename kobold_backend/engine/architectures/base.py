@@ -9,7 +9,7 @@ is one module in this package that subclasses `Architecture` and registers itsel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from kobold_backend.engine.config_types import ConfigData, Features, RopeSpec
 from kobold_backend.errors import ModelFormatError
@@ -40,16 +40,21 @@ class LayerLayout:
 
     `linears` keys are projection names (`q_proj`, ..., `qkv_proj`, `gate_up_proj`); `norms` keys are Layer fields
     (`input_norm`, `post_norm` = the norm before the MLP, `attn_out_norm`, `mlp_out_norm`, `q_norm`, `k_norm`) with
-    (checkpoint name without `.weight`, size). `linears` keys must be `Layer` projection fields."""
+    (checkpoint name without `.weight`, size or shape: Cohere's q/k norms are [heads, head_dim]). `linears` keys
+    must be `Layer` projection fields."""
 
     linears: Dict[str, Linear]
-    norms: Dict[str, Tuple[str, int]]
+    norms: Dict[str, Tuple[str, Any]]
     biased: Tuple[str, ...] = ()
     #: linears the architecture's `build_mlp` loads itself (routed experts, router): listed so the split planner
     #: and the bench's synthetic checkpoints know them; the generic loader does not read them
     mlp_linears: Dict[str, Linear] = field(default_factory=dict)
-    #: other dense tensors of the layer, Layer field -> (full checkpoint name, shape): gpt-oss's `sinks`
+    #: other dense tensors of the layer the generic loader reads into Layer fields, Layer field -> (checkpoint
+    #: name under `model.layers.N.`, shape): gpt-oss's `sinks`
     extras: Dict[str, Tuple[str, Tuple[int, ...]]] = field(default_factory=dict)
+    #: other tensors `build_mlp` reads itself (checkpoint name under `model.layers.N.` -> shape), listed so the
+    #: split planner counts them: GLM-4.5's router bias
+    tensors: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
 
 
 class Architecture:
@@ -107,6 +112,20 @@ class Architecture:
         """Hook for an attention that is not q/k/v projections (DeepSeek's latent attention): an object the layer
         calls instead (see engine/mla.py), or None. Its `o_proj` stays in the layout."""
         return None
+
+    def text_config(self, raw: Dict[str, Any], where: str) -> Dict[str, Any]:
+        """The config of the decoder this engine runs; a multimodal checkpoint's description returns its
+        `text_config` (with what it needs from the outer config). The default is `raw` itself."""
+        return raw
+
+    def stored_names(self, names: List[str]) -> Dict[str, str]:
+        """Tensors the checkpoint stores under other names than the engine reads (`model.layers.N...`,
+        `model.embed_tokens`, `model.norm`, `lm_head`): engine name -> stored name. The default is none."""
+        return {}
+
+    def unused_layers(self, raw: Dict[str, Any]) -> int:
+        """How many layers the checkpoint stores after the decoder stack that inference does not run."""
+        return 0
 
     def build_mlp(self, loader: Any, config: ConfigData, index: int) -> Optional[Any]:
         """Hook for a non-dense MLP (routed experts): return an object the layer calls instead of gate/up/down.

@@ -25,7 +25,7 @@ import torch
 
 from kobold_backend import ops
 from kobold_backend.engine.architectures.base import Features, LayerLayout, Linear, register
-from kobold_backend.engine.architectures.moe import MoeSpec, RoutedArchitecture
+from kobold_backend.engine.architectures.moe import CORRECTION_BIAS, MoeSpec, RoutedArchitecture
 from kobold_backend.engine.config_types import ConfigData, RopeSpec, rope_settings, yarn_softmax_scale
 from kobold_backend.engine.mla import LatentAttention
 from kobold_backend.engine.moe import DenseMLP, RoutedExperts, Routing
@@ -107,13 +107,16 @@ class DeepseekV2(RoutedArchitecture):
                        _count(raw, ("num_experts_per_tok",), where), _count(raw, ("moe_intermediate_size",), where),
                        self.renormalize(raw))
 
+    def unused_layers(self, raw: Dict[str, Any]) -> int:
+        return int(raw.get("num_nextn_predict_layers") or 0)  # V3's multi-token-prediction layers
+
     def renormalize(self, raw: Dict[str, Any]) -> bool:
         return False  # transformers' DeepSeek-V2 router never renormalises
 
     def routing(self, raw: Dict[str, Any]) -> Routing:
         grouped = raw.get("topk_method") == "group_limited_greedy"
         return Routing(str(raw.get("scoring_func") or self.scoring), float(raw.get("routed_scaling_factor") or 1.0),
-                       int(raw.get("n_group") or 1) if grouped else 1, int(raw.get("topk_group") or 1))
+                       int(raw.get("n_group") or 1) if grouped else 1, int(raw.get("topk_group") or 1), fp32=True)
 
     def routed(self, raw: Dict[str, Any], index: int) -> bool:
         freq = int(raw.get("moe_layer_freq") or 1)
@@ -139,7 +142,10 @@ class DeepseekV2(RoutedArchitecture):
         else:
             attn["q_proj"] = Linear("self_attn.q_proj", h, heads * qk_head)
         norms = {"input_norm": ("input_layernorm", h), "post_norm": ("post_attention_layernorm", h)}
-        return LayerLayout(linears, norms, (), {**base.mlp_linears, **attn})
+        # V3's router bias, read by build_mlp (listed so the planner counts it)
+        routed = self.scoring == "sigmoid" and self.routed(raw, index)
+        tensors = {CORRECTION_BIAS: (self.moe(raw, config, config.model_type).num_experts,)} if routed else {}
+        return LayerLayout(linears, norms, (), {**base.mlp_linears, **attn}, tensors=tensors)
 
     def interleaved(self, raw: Dict[str, Any]) -> bool:
         return True  # transformers' V2 rotates consecutive pairs (complex multiplication)
@@ -193,8 +199,7 @@ class DeepseekV2(RoutedArchitecture):
             shared = DenseMLP(*(loader.linear(f"mlp.shared_experts.{name}", i, o) for name, i, o in
                                 (("gate_proj", h, inter), ("up_proj", h, inter), ("down_proj", inter, h))),
                               experts.act)
-        bias = "mlp.gate.e_score_correction_bias"
-        correction = loader.dense(bias, (experts.num_experts,)).float() if loader.has(bias) else None
+        correction = self.correction_bias(loader, experts.num_experts)
         return replace(experts, routing=self.routing(raw), correction_bias=correction, shared=shared)
 
 
@@ -209,7 +214,7 @@ class DeepseekV3(DeepseekV2):
     def routing(self, raw: Dict[str, Any]) -> Routing:
         # transformers' V3 router always limits the choice to the best groups (topk_method "noaux_tc")
         return Routing(str(raw.get("scoring_func") or self.scoring), float(raw.get("routed_scaling_factor") or 1.0),
-                       int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1))
+                       int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1), fp32=True)
 
     def interleaved(self, raw: Dict[str, Any]) -> bool:
         return bool(raw.get("rope_interleave", True))

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional, Tuple
 
+import torch
+
 from kobold_backend.engine.architectures.base import (
     Architecture,
     Features,
@@ -26,6 +28,9 @@ from kobold_backend.engine.architectures.base import (
 from kobold_backend.engine.config_types import ConfigData
 from kobold_backend.engine.moe import RoutedExperts, stack_expert_mlps
 from kobold_backend.errors import ModelFormatError
+
+# the router bias of sigmoid routing (DeepSeek-V3, GLM-4.5): it biases the choice of experts, not their weights
+CORRECTION_BIAS = "mlp.gate.e_score_correction_bias"
 
 _DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -107,6 +112,14 @@ class RoutedArchitecture(Architecture):
             raise ModelFormatError(f"{loader.prefix}: {exc}.") from None
         return RoutedExperts(load("router"), gate_up, up, down, spec.top_k, spec.renormalize,
                              ACTIVATIONS[config.features.activation])
+
+    @staticmethod
+    def correction_bias(loader: Any, num_experts: int) -> Optional[torch.Tensor]:
+        """`mlp.gate.e_score_correction_bias` [E] (DeepSeek-V3, GLM-4.5) in float32 as stored, without a round trip
+        through the layer dtype (transformers keeps it in float32), or None when the checkpoint has none."""
+        if not loader.has(CORRECTION_BIAS):
+            return None
+        return loader.reader.get(loader.name(CORRECTION_BIAS), (num_experts,)).float().to(loader.device)
 
 
 class Mixtral(RoutedArchitecture):

@@ -7,7 +7,10 @@ weights (Gemma's converter stores `1 + weight`). What llama.cpp fixes in code ra
 here as llama.cpp's loader assumes it: Gemma 2 alternates local and global layers (layer 0 local), Gemma 3 has 5
 local layers per global one (none without `attention.sliding_window`) with local RoPE base 10000 and no scaling
 there, and both scale q·k by head_dim ** -0.5 except the 27B models (46 / 62 layers), which use
-(hidden / heads) ** -0.5. A `llama` file with experts is Mixtral.
+(hidden / heads) ** -0.5; Cohere 2 has a window on 3 of every 4 layers. A `llama` file with experts is Mixtral
+(Mistral 3's converter writes the text model alone, as `llama` or `mistral3` in llama's layout). GLM's
+`rope.dimension_count` below the head size is its partial rotary factor; GLM-4.5's `block_count` includes its
+next-token-prediction layers.
 
 RoPE frequency tables stored as tensors are read as per-frequency divisors: `rope_freqs.weight` (Llama 3.1's
 frequency-dependent scaling, precomputed by the converter) and Phi-3's `rope_factors_short` / `rope_factors_long`
@@ -41,7 +44,15 @@ ARCHITECTURES: Dict[str, GGUFArchitecture] = {
     "phi3": GGUFArchitecture("phi3", "Phi3ForCausalLM", permuted_qk=False),
     "gpt-oss": GGUFArchitecture("gpt_oss", "GptOssForCausalLM", permuted_qk=False),
     "deepseek2": GGUFArchitecture("deepseek_v2", "DeepseekV2ForCausalLM", permuted_qk=False),  # V3 too (_deepseek)
+    "command-r": GGUFArchitecture("cohere", "CohereForCausalLM", permuted_qk=False),
+    "cohere2": GGUFArchitecture("cohere2", "Cohere2ForCausalLM", permuted_qk=False),
+    "glm4": GGUFArchitecture("glm4", "Glm4ForCausalLM", permuted_qk=False),
+    "glm4moe": GGUFArchitecture("glm4_moe", "Glm4MoeForCausalLM", permuted_qk=False),
+    # Mistral Small 3.x: the converter writes the text model alone, in llama's layout
+    "mistral3": GGUFArchitecture("mistral", "MistralForCausalLM", permuted_qk=True),
 }
+# families whose partial rotary embedding (rope.dimension_count < head size) is read as partial_rotary_factor
+_PARTIAL_ROPE = ("glm4", "glm4_moe")
 MIXTRAL = GGUFArchitecture("mixtral", "MixtralForCausalLM", permuted_qk=True)
 # Layer counts of the Gemma 27B models, whose q·k scale llama.cpp takes from hidden / heads.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -83,11 +94,15 @@ def hf_config(meta: Dict[str, Any], tensor_names: List[str], where: str,
         raise ModelFormatError(f"{where}: per-layer KV head counts are not supported.")
     head_dim = int(key("attention.key_length", hidden // heads))
     rope_dim = int(key("rope.dimension_count", head_dim))
-    if rope_dim != head_dim and key("attention.kv_lora_rank") is None:  # DeepSeek's MLA rotates part by design
+    # DeepSeek's MLA rotates a separate part by design; GLM rotates the leading rope.dimension_count of each head
+    if rope_dim != head_dim and key("attention.kv_lora_rank") is None and desc.model_type not in _PARTIAL_ROPE:
         raise ModelFormatError(
             f"{where}: partial rotary embeddings (rope.dimension_count {rope_dim} of head size {head_dim}) "
             "are not supported."
         )
+    if key("attention.temperature_scale") is not None:
+        raise ModelFormatError(f"{where}: attention temperature scaling (Ministral 3's llama_4_scaling) is not "
+                               "supported.")
     tokens = meta.get("tokenizer.ggml.tokens") or []
     config: Dict[str, Any] = {
         "model_type": desc.model_type,
@@ -99,7 +114,8 @@ def hf_config(meta: Dict[str, Any], tensor_names: List[str], where: str,
         "num_key_value_heads": int(kv_heads),
         "head_dim": head_dim,
         "vocab_size": int(key("vocab_size", len(tokens))),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon") or key("attention.layer_norm_epsilon")
+                              or 1e-6),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(key("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
@@ -107,6 +123,8 @@ def hf_config(meta: Dict[str, Any], tensor_names: List[str], where: str,
         "eos_token_id": _eos_ids(meta),
         "torch_dtype": "float16",
     }
+    if rope_dim != head_dim or desc.model_type in _PARTIAL_ROPE:
+        config["partial_rotary_factor"] = rope_dim / head_dim
     scaling = _rope_scaling(key, where)
     if scaling is not None:
         config["rope_scaling"] = scaling
@@ -182,6 +200,40 @@ def _phi3(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
                                                 or config["max_position_embeddings"]))
 
 
+def _cohere(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
+    """Logit scale and q/k norms (Command-R+); Cohere 2's window on 3 of every 4 layers, as llama.cpp fixes it."""
+    config["logit_scale"] = float(key("logit_scale", 1.0))
+    config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
+    if arch == "cohere2":
+        config["sliding_window"] = int(key("attention.sliding_window", required=True))
+        pattern = key("attention.sliding_window_pattern")
+        if isinstance(pattern, list):  # per layer: true where the layer is local
+            config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+        else:
+            config["sliding_window_pattern"] = int(pattern or 4)
+
+
+def _glm4(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
+    """q/k/v biases when the file has them; GLM-4.5's experts, shared experts, dense leading layers and routing,
+    and its next-token-prediction layers (counted in block_count, not run)."""
+    config["attention_bias"] = "blk.0.attn_q.bias" in names
+    if arch != "glm4moe":
+        return
+    config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
+    nextn = int(key("nextn_predict_layers") or 0)
+    config["num_nextn_predict_layers"] = nextn
+    config["num_hidden_layers"] -= nextn
+    config["n_routed_experts"] = int(key("expert_count", required=True))
+    config["num_experts_per_tok"] = int(key("expert_used_count", required=True))
+    config["moe_intermediate_size"] = int(key("expert_feed_forward_length", required=True))
+    config["n_shared_experts"] = int(key("expert_shared_count") or 0)
+    config["first_k_dense_replace"] = int(key("leading_dense_block_count") or 0)
+    config["routed_scaling_factor"] = float(key("expert_weights_scale") or 1.0)
+    config["norm_topk_prob"] = bool(key("expert_weights_norm", True))
+    config["n_group"] = int(key("expert_group_count") or 1)
+    config["topk_group"] = int(key("expert_group_used_count") or 1)
+
+
 def _experts(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
     """Expert counts; for Qwen3-MoE the expert size and the layers that keep a dense MLP (no router tensor)."""
     count, used = int(key("expert_count")), int(key("expert_used_count") or 0)
@@ -246,6 +298,7 @@ def _deepseek(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
 _FAMILY: Dict[str, Callable[..., None]] = {
     "gemma2": _gemma, "gemma3_text": _gemma, "phi3": _phi3, "mixtral": _experts, "qwen3_moe": _experts,
     "gpt_oss": _gpt_oss, "deepseek_v2": _deepseek,
+    "cohere": _cohere, "cohere2": _cohere, "glm4": _glm4, "glm4_moe": _glm4,
 }
 
 

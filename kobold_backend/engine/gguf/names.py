@@ -6,8 +6,10 @@ role came from depends on the family: `ffn_norm` is Llama's `post_attention_laye
 are `attn_qkv` and `ffn_up` (gate rows first). Routed experts are stacked on a leading axis in one tensor
 (`blk.N.ffn_gate_exps.weight` [E, n, k]); files converted before April 2024 hold one tensor per expert
 (`blk.N.ffn_gate.E.weight`). Either way a Hugging Face expert name maps to (GGUF tensor, expert index or None).
-A few Hugging Face tensors have no `.weight` / `.bias` suffix (gpt-oss's `self_attn.sinks`, DeepSeek-V3's
-`mlp.gate.e_score_correction_bias`); they map to `attn_sinks.weight` and `exp_probs_b.bias`.
+A few Hugging Face tensors have no `.weight` / `.bias` suffix (gpt-oss's `self_attn.sinks`, DeepSeek-V3's and
+GLM-4.5's router bias `mlp.gate.e_score_correction_bias`); they map to `attn_sinks.weight` and `exp_probs_b.bias`.
+Shared experts (DeepSeek, GLM-4.5) are `ffn_*_shexp`. GLM-4's fused gate/up is `ffn_up` (gate rows first) and its
+norms after attention and after the MLP are `post_attention_norm` / `post_ffw_norm`.
 
 llama.cpp's converter reorders the rows of each Q and K head for its interleaved RoPE: within a head of size D,
 Hugging Face row `j * D/2 + i` (half j, pair i) is stored at row `2 i + j`. This engine rotates halves, so the
@@ -47,21 +49,26 @@ _PHI3: Dict[str, str] = {"attn_qkv": "self_attn.qkv_proj", "ffn_norm": "post_att
                          "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}
 # gpt-oss: the norm before the MLP is `post_attention_norm`; the router `ffn_gate_inp` (with a bias) is `mlp.router`
 _GPT_OSS: Dict[str, str] = {"post_attention_norm": "post_attention_layernorm"}
+_SHARED_EXPERTS: Dict[str, str] = {"ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+                                   "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                                   "ffn_down_shexp": "mlp.shared_experts.down_proj"}
 # DeepSeek-V2/V3: latent attention (kv_b_proj split by the converter into attn_k_b [H, rank, nope] and attn_v_b
 # [H, v, rank]) and shared experts
 _DEEPSEEK: Dict[str, str] = dict(_DENSE_MLP, attn_q_a="self_attn.q_a_proj", attn_q_b="self_attn.q_b_proj",
                                  attn_q_a_norm="self_attn.q_a_layernorm", attn_kv_a_mqa="self_attn.kv_a_proj_with_mqa",
                                  attn_kv_a_norm="self_attn.kv_a_layernorm", attn_kv_b="self_attn.kv_b_proj",
-                                 attn_k_b="self_attn.k_b_proj", attn_v_b="self_attn.v_b_proj",
-                                 ffn_gate_shexp="mlp.shared_experts.gate_proj",
-                                 ffn_up_shexp="mlp.shared_experts.up_proj",
-                                 ffn_down_shexp="mlp.shared_experts.down_proj")
+                                 attn_k_b="self_attn.k_b_proj", attn_v_b="self_attn.v_b_proj", **_SHARED_EXPERTS)
+_GLM4: Dict[str, str] = {"post_attention_norm": "post_self_attn_layernorm", "ffn_norm": "post_attention_layernorm",
+                         "post_ffw_norm": "post_mlp_layernorm", "ffn_up": "mlp.gate_up_proj",
+                         "ffn_down": "mlp.down_proj"}
+_GLM4_MOE: Dict[str, str] = dict(_DENSE_MLP, post_attention_norm="post_attention_layernorm", **_SHARED_EXPERTS)
 # Hugging Face model_type -> (block tensors besides attention, router prefix, expert prefix and its gate/up/down)
 _BLOCKS: Dict[str, Dict[str, str]] = {
     "llama": _DENSE_MLP, "mistral": _DENSE_MLP, "qwen2": _DENSE_MLP, "qwen3": _DENSE_MLP, "qwen3_moe": _DENSE_MLP,
     "mixtral": {"ffn_norm": "post_attention_layernorm"},
     "gemma2": _GEMMA, "gemma3_text": _GEMMA, "phi3": _PHI3,
     "gpt_oss": _GPT_OSS, "deepseek_v2": _DEEPSEEK, "deepseek_v3": _DEEPSEEK,
+    "cohere": _DENSE_MLP, "cohere2": _DENSE_MLP, "glm4": _GLM4, "glm4_moe": _GLM4_MOE,
 }
 _EXPERTS: Dict[str, Tuple[str, Tuple[str, str, str]]] = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
@@ -71,6 +78,7 @@ _EXPERTS: Dict[str, Tuple[str, Tuple[str, str, str]]] = {
     "gpt_oss": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 _ROUTERS: Dict[str, str] = {"gpt_oss": "mlp.router"}
 # Hugging Face tensors without a .weight/.bias suffix -> their GGUF role and suffix

@@ -86,18 +86,16 @@ class GGUFWeights:
 
     def linear(self, prefix: str, k: int, n: int, device: torch.device,
                dtype: torch.dtype) -> Union[torch.Tensor, GGMLWeight]:
-        """The projection `prefix` ([n, k]): a GGMLWeight for block formats, else a dense tensor in `dtype`."""
+        """The projection `prefix` ([n, k]): a GGMLWeight for block formats (holding its bias), else a dense tensor
+        in `dtype` (its bias, when the architecture declares one, read by the loader like a folder's)."""
         name = f"{prefix}.weight"
         gname, expert = self._check(name, (n, k))
         kind = self.gguf.type_name(gname)
+        if kind in _DENSE_TYPES:  # a dense weight's bias is read by the loader, as from a folder
+            return self.get(name).to(device=device, dtype=dtype).contiguous()
         bias = None
         if f"{prefix}.bias" in self:
             bias = self.get(f"{prefix}.bias", (n,)).to(device=device, dtype=dtype)
-        if kind in _DENSE_TYPES:
-            w = self.get(name).to(device=device, dtype=dtype).contiguous()
-            if bias is not None:
-                raise ModelFormatError(f"{prefix}: dense GGUF projections with a bias are not supported yet.")
-            return w
         data = self._rows(name, gname, expert).to(device).contiguous()
         return GGMLWeight(data, kind, in_features=k, out_features=n, bias=bias)
 
