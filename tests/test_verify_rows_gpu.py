@@ -38,4 +38,6 @@ def test_graph_rows_equal_the_eager_forward(checkpoints: Any, name: str, cache_d
     for index in range(len(model.layers)):
         a, b = graph_cache.k[index], eager_cache.k[index]
         a, b = (a.dense(n), b.dense(n)) if cache_dtype else (a[:, :, :n], b[:, :, :n])
-        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        # a 4-bit cache may round a key one level apart when its float16 input differs in the last bit
+        level = float(b.float().abs().max()) / 7 if cache_dtype == "q4" else 2e-2
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=level * 1.01)
