@@ -41,3 +41,22 @@ def test_graph_rows_equal_the_eager_forward(checkpoints: Any, name: str, cache_d
         # a 4-bit cache may round a key one level apart when its float16 input differs in the last bit
         level = float(b.float().abs().max()) / 7 if cache_dtype == "q4" else 2e-2
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=level * 1.01)
+
+
+@pytest.mark.parametrize("length", [512, 2048, 16384])
+def test_graph_decode_attention_over_a_long_fp16_cache(length: int) -> None:
+    """ops.decode_attention_at (what a decode graph calls) over an fp16 cache: torch's matmuls below
+    NATIVE_DECODE_FROM positions, the flash-decoding kernel from there; both against float64, masked at the device
+    position."""
+    from kobold_backend import ops
+    from kobold_backend.ops import reference
+
+    g = torch.Generator(device="cuda").manual_seed(length)
+    k = torch.randn(1, 8, length, 128, device="cuda", generator=g).half()
+    v = torch.randn(1, 8, length, 128, device="cuda", generator=g).half()
+    q = torch.randn(1, 32, 128, device="cuda", generator=g).half()
+    pos = torch.tensor([length - 100], device="cuda")
+    got = ops.decode_attention_at(q, k, v, pos, length, 128 ** -0.5)
+    want = reference.decode_attention_at(q.double(), k.double(), v.double(), pos, length, 128 ** -0.5)
+    err = float((got.double() - want).abs().max() / want.abs().max())
+    assert err < 4e-3, f"{length}: {err:.3g} (native from {ops.NATIVE_DECODE_FROM})"

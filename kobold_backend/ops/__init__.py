@@ -41,6 +41,12 @@ __all__ = [
 ]
 
 
+#: Graph decode over an fp16 cache of at least this many positions (the captured length) runs the templated
+#: flash-decoding kernel (csrc/cuda/flash_decode.cu): on the H200 its q8-cache decode of the 7B Q4_K_M file was
+#: 246.9 tok/s at 4000 where torch's matmuls over the fp16 cache gave 197.6 (docs/performance.md)
+NATIVE_DECODE_FROM = 1024
+
+
 def _quantized(k_cache: Any, v_cache: Any) -> bool:
     """Whether either cache is in the 8/4-bit layout (ops/kv_quant.py reads and writes those)."""
     return isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV)
@@ -153,11 +159,11 @@ def decode_attention_at(
     if _quantized(k_cache, v_cache):
         return kv_quant.decode_attention_at(q, k_cache, v_cache, pos, length, scale, window, softcap, sinks)
     k = _kernels(q)
-    if k is None or q.is_cuda or window is not None or softcap is not None or sinks is not None or \
-            v_cache.shape[-1] != q.shape[-1]:
-        # On the H200, inside a CUDA graph, torch's batched matmuls beat the native flash-decoding kernel at every
-        # length measured (8 vs 35 us at 128 positions, 27 vs 75 us at 4000; docs/performance.md). A sliding
-        # window's start depends on the device position, which the torch definition masks on the device.
+    if (k is None or (q.is_cuda and length < NATIVE_DECODE_FROM) or window is not None or softcap is not None
+            or sinks is not None or v_cache.shape[-1] != q.shape[-1]):
+        # Short caches: torch's batched matmuls, which beat the first native kernel everywhere (8 vs 35 us at 128
+        # positions on the H200). A sliding window's start depends on the device position, which the torch
+        # definition masks on the device.
         return reference.decode_attention_at(q, k_cache, v_cache, pos, length, scale, window, softcap, sinks)
     return k.decode_attention_at(q, k_cache, v_cache, pos, length, scale)
 

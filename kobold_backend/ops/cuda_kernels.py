@@ -37,7 +37,7 @@ MMA_MAX_ROWS = 128
 # and dp4a) or "q8-pdl" (q8 with the GEMV launched programmatically behind its activation quantization, sm_90+);
 # KOBOLD_BACKEND_GGML_KERNEL picks one per process, CudaKernels.ggml_kernel per instance.
 GGML_KERNELS = ("classic", "q8", "q8-pdl")
-DEFAULT_GGML_KERNEL = os.environ.get("KOBOLD_BACKEND_GGML_KERNEL", "classic")
+DEFAULT_GGML_KERNEL = os.environ.get("KOBOLD_BACKEND_GGML_KERNEL", "q8-pdl")
 
 # gptq_gemv's `variant`: chosen by shape, or one kernel forced (the whole-K ones only where their shape check
 # passes; the 512-thread one takes 1 or 2 rows; the lean one, csrc/cuda/gptq_lean.cu, the 256-thread one's shapes,
