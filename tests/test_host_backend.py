@@ -147,8 +147,8 @@ def test_stop_sequence_stopper_stops_at_the_string(united: UnitedHost, model_dir
     sample_with(united, **GREEDY)
     prompt = backend.tokenizer.encode("This program is free software")
     baseline = backend.raw_generate(prompt, max_new=24)
-    text = baseline.decoded[0]
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    # United's stopper compares the end of the decoded text, so the stop string ends where a token ends.
+    stop = backend.tokenizer.decode(tokens(baseline)[:12])[-3:]
     united.vars.stop_sequence = [stop]
     stopped = backend.raw_generate(prompt, max_new=24)
     cut = tokens(stopped)
@@ -320,7 +320,7 @@ def test_rope_options_take_effect_like_transformers(united: UnitedHost, model_di
     ids = torch.tensor([[1] + list(range(40, 100))])
     config = json.loads((model_dir / "config.json").read_text())
     head_dim = config["hidden_size"] // config["num_attention_heads"]
-    cases = [({"compress_emb": 2.0}, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    cases = [({"compress_emb": 2.0}, {"rope_scaling": {"type": "linear", "factor": 2.0}}),
              ({"ntk_alpha": 3.0}, {"rope_theta": config["rope_theta"] * 3.0 ** (head_dim / (head_dim - 2))})]
     plain = None
     for values, hf_changes in cases:
