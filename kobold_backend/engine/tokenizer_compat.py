@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 from kobold_backend.errors import ModelFormatError
 
@@ -35,26 +35,34 @@ class Features(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def installed_features() -> Features:
+    """Found by behaviour: releases before 0.19 accept and ignore unknown keyword arguments such as split=."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    def works(build: Any) -> bool:
+    def works(check: Callable[[], bool]) -> bool:
         try:
-            build()
-        except Exception:  # TypeError for an unknown argument; the bindings' own Exception for unknown JSON
+            return check()
+        except Exception:  # TypeError for an unknown argument or None; the bindings' own Exception for bad JSON
             return False
+
+    def unsplit() -> bool:
+        step = pre_tokenizers.Metaspace(replacement=SPACE_MARK, prepend_scheme="always", split=False)
+        return len(step.pre_tokenize_str("a b")) == 1
+
+    def ignores_merges() -> bool:
+        return [t.id for t in models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[], ignore_merges=True)
+                .tokenize("ab")] == [2]
+
+    def pairs() -> bool:
+        spec = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": [["a", "b"]]}}
+        return Tokenizer.from_str(json.dumps(_complete(spec))).encode("ab").ids == [2]
+
+    def set_none() -> bool:
+        Tokenizer(models.BPE()).normalizer = None
         return True
 
-    def set_none() -> None:
-        Tokenizer(models.BPE()).normalizer = None
-
-    pairs = {"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": [["a", "b"]]}}
-    return Features(
-        metaspace_split=works(lambda: pre_tokenizers.Metaspace(prepend_scheme="first", split=False)),
-        ignore_merges=works(lambda: models.BPE(ignore_merges=True)),
-        pair_merges=works(lambda: Tokenizer.from_str(json.dumps(_complete(pairs)))),
-        none_components=works(set_none),
-        encode_special_tokens=hasattr(Tokenizer(models.BPE()), "encode_special_tokens"),
-    )
+    return Features(metaspace_split=works(unsplit), ignore_merges=works(ignores_merges), pair_merges=works(pairs),
+                    none_components=works(set_none),
+                    encode_special_tokens=hasattr(Tokenizer(models.BPE()), "encode_special_tokens"))
 
 
 def _complete(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -105,17 +113,6 @@ class IgnoreMergesStep:
 
     def pre_tokenize(self, pretok: Any) -> None:
         pretok.tokenize(self._tokens)
-
-
-class Steps:
-    """Pre-tokenizers (native or Python) run one after the other."""
-
-    def __init__(self, steps: List[Any]) -> None:
-        self.steps = steps
-
-    def pre_tokenize(self, pretok: Any) -> None:
-        for step in self.steps:
-            step.pre_tokenize(pretok)
 
 
 def _python_step(step: Any) -> Any:
@@ -208,14 +205,15 @@ def from_spec(spec: Dict[str, Any], features: Optional[Features] = None) -> Any:
             model["merges"] = [" ".join(m) for m in merges]
     backend = Tokenizer.from_str(json.dumps(spec))
     if pairs is not None:
-        backend.model = BPE(vocab=model["vocab"], merges=pairs, dropout=model.get("dropout"),
-                            unk_token=model.get("unk_token"),
-                            continuing_subword_prefix=model.get("continuing_subword_prefix"),
-                            end_of_word_suffix=model.get("end_of_word_suffix"), fuse_unk=model.get("fuse_unk", False),
-                            byte_fallback=model.get("byte_fallback", False))
+        options = {key: model[key] for key in ("dropout", "unk_token", "continuing_subword_prefix",
+                                               "end_of_word_suffix", "fuse_unk", "byte_fallback")
+                   if model.get(key) is not None}
+        backend.model = BPE(vocab=model["vocab"], merges=pairs, **options)
     if ignore:
         steps.append(IgnoreMergesStep(dict(model["vocab"]), backend.model))
     if steps:
-        native = backend.pre_tokenizer
-        backend.pre_tokenizer = _python_step(Steps(([native] if native is not None else []) + steps))
+        from tokenizers import pre_tokenizers
+
+        native = [backend.pre_tokenizer] if backend.pre_tokenizer is not None else []
+        backend.pre_tokenizer = pre_tokenizers.Sequence(native + [_python_step(step) for step in steps])
     return backend
