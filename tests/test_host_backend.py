@@ -450,3 +450,33 @@ def test_unload_frees_every_gpu_byte(tmp_path: Path, model_dir: Path, placement:
             backend.unload()
             torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == base
+
+
+def test_a_byte_level_bpe_model_generates_like_transformers(united: UnitedHost, checkpoints: CheckpointFactory,
+                                                            tmp_path: Path) -> None:
+    """A Llama-3-style tokenizer.json model (byte-level BPE, <|begin_of_text|>) through United's calls: the prompt's
+    ids are the `tokenizers` library's, the greedy tokens transformers' argmax, the text the library's decode. The
+    llama3 RoPE scaling is taken out so that every transformers release United may have (4.36 on) loads it."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    folder = tmp_path / "llama-bpe"
+    shutil.copytree(checkpoints.get("llama3_rope").path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("rope_scaling")
+    (folder / "config.json").write_text(json.dumps(config))
+    backend = load(united, folder)
+    sample_with(united, **GREEDY)
+    library = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    prompt = "Everyone is permitted to copy and distribute"
+    ids = backend.tokenizer.encode(prompt)
+    assert ids == library.encode(prompt, add_special_tokens=False).ids
+    result = backend.raw_generate(ids, max_new=8)
+    out = tokens(result)
+    reference = hf_load(folder)
+    sequence = torch.tensor([library.encode(prompt).ids])
+    with torch.no_grad():
+        for _ in range(8):
+            sequence = torch.cat([sequence, reference(sequence).logits[:, -1:].argmax(-1)], dim=1)
+    assert out == sequence[0, -8:].tolist()
+    assert result.decoded[0] == library.decode(out)
+    backend.unload()
