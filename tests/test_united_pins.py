@@ -59,3 +59,14 @@ def test_the_united_environment_holds_those_versions() -> None:
     assert sys.version_info[:2] == (3, 8)
     installed = {name: metadata.version(name) for name in united_versions()}
     assert installed == united_versions()
+
+
+def test_the_job_runs_the_pins_plugin_toml_names() -> None:
+    """plugin.toml's record of United's environment and the job's environment say the same."""
+    from packaging.specifiers import SpecifierSet
+
+    pins = tomllib.loads((ROOT / "plugin.toml").read_text(encoding="utf-8"))["hosts"]["koboldai_united"]["pinned"]
+    versions = united_versions()
+    for name, pin in pins.items():
+        if name != "python":
+            assert Version(versions[normalize(name)]) in SpecifierSet("==" + pin), (name, pin)
