@@ -3,8 +3,8 @@
 # United's pins and kobold-backend's other dependencies at their lower bounds (tests/united/requirements.txt), the
 # prebuilt CPU kernels, then the plugin tests in it: discovery, is_valid, load, raw_generate with sentencepiece and
 # byte-level BPE tokenizers, hooks and stoppers, unload, install-plugin into a United-shaped checkout with the pins
-# left unchanged, and tokenizer.json files of the newest layout under tokenizers 0.15 (against transformers in
-# the project's .venv, test_tokenizer_versions.py).
+# left unchanged, tokenizer.json files of the newest layout under tokenizers 0.15, and GGUF files under gguf 0.6.0
+# (against transformers in the project's .venv: test_tokenizer_versions.py, test_gguf_versions.py).
 # Usage: scripts/test_united.sh FOLDER  (a temporary folder the caller removes; the venv, about 4 GB, goes there).
 # pip downloads (about 2.5 GB the first time: torch 2.1 from PyPI is its CUDA build) are cached where pip caches.
 set -euo pipefail
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 work=${1:?usage: scripts/test_united.sh TEMPORARY_FOLDER}
 FILES=(tests/test_united_pins.py tests/test_host_backend.py tests/test_host_install.py tests/test_host_tokenizer.py
        tests/test_host_parameters.py tests/test_host_passthrough.py tests/test_tokenizer_compat.py
-       tests/test_tokenizer_versions.py)
+       tests/test_tokenizer_versions.py tests/test_gguf_versions.py)
 
 python38=${KOBOLD_BACKEND_UNITED_PYTHON:-}
 if [ -z "$python38" ]; then
@@ -41,7 +41,7 @@ echo "test: United job: installed $("$UPY" -c 'import torch, tokenizers, transfo
 PYTHONPATH=$PWD "$UPY" -m kobold_backend.cli.main install-ext >"$work/united-ext.log" 2>&1 \
   || { tail -5 "$work/united-ext.log" >&2; exit 1; }
 
-# test_tokenizer_versions.py's oracle: the newest tokenizers and transformers, in the project's own .venv.
+# test_tokenizer_versions.py's and test_gguf_versions.py's oracle: the newest tokenizers and transformers, in the project's own .venv.
 if [ -x .venv/bin/python ]; then export KOBOLD_BACKEND_REFERENCE_PYTHON=$PWD/.venv/bin/python; fi
 
 start=$SECONDS
