@@ -186,19 +186,15 @@ def _gemma_pipeline(backend: Any) -> None:
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
 
 
-def _set_byte_level_prefix(spec: Dict[str, Any], add_prefix_space: bool) -> bool:
-    """add_prefix_space from tokenizer_config.json wins over the ByteLevel pre-tokenizer's own setting; whether
-    that changed anything."""
+def _set_byte_level_prefix(spec: Dict[str, Any], add_prefix_space: bool) -> None:
+    """add_prefix_space from tokenizer_config.json wins over the ByteLevel pre-tokenizer's own setting."""
     pre = spec.get("pre_tokenizer")
     stack = [pre] if isinstance(pre, dict) else []
-    changed = False
     while stack:
         node = stack.pop()
-        if node.get("type") == "ByteLevel" and node.get("add_prefix_space") != add_prefix_space:
+        if node.get("type") == "ByteLevel":
             node["add_prefix_space"] = add_prefix_space
-            changed = True
         stack.extend(n for n in node.get("pretokenizers") or [] if isinstance(n, dict))
-    return changed
 
 
 def _sentencepiece_like(spec: Dict[str, Any]) -> bool:

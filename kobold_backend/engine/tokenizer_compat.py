@@ -169,6 +169,15 @@ def _nodes(node: Any) -> List[Dict[str, Any]]:
     return found
 
 
+def _needs_rewrite(spec: Dict[str, Any], have: Features) -> bool:
+    model = spec.get("model") or {}
+    merges = model.get("merges") or []
+    nodes = _nodes(spec.get("pre_tokenizer")) + _nodes(spec.get("decoder"))
+    metaspace = any(n.get("type") == "Metaspace" for n in nodes)
+    return ((metaspace and not have.metaspace_split) or ("ignore_merges" in model and not have.ignore_merges)
+            or (bool(merges) and not isinstance(merges[0], str) and not have.pair_merges))
+
+
 def from_spec(spec: Dict[str, Any], features: Optional[Features] = None) -> Any:
     """A `tokenizers.Tokenizer` from a parsed tokenizer.json of any release, with the installed release's
     features, or the Python steps above where it lacks them."""
@@ -176,6 +185,8 @@ def from_spec(spec: Dict[str, Any], features: Optional[Features] = None) -> Any:
     from tokenizers.models import BPE
 
     have = features or installed_features()
+    if not _needs_rewrite(spec, have):
+        return Tokenizer.from_str(json.dumps(spec))
     spec = copy.deepcopy(spec)
     model = spec.get("model") or {}
     steps: List[Any] = []
