@@ -24,7 +24,7 @@ if [ ! -x "$VPY" ]; then
   step "creating .venv with $($PY --version 2>&1)" "$PY" -m venv .venv
 fi
 step "installing the build tools (pip, setuptools, wheel, pybind11, packaging)" \
-  "${PIP[@]}" install -q "pip>=23" "setuptools>=61.2" wheel "pybind11>=2.10" "packaging>=20.0" >&2
+  "${PIP[@]}" install -q "pip>=23" "setuptools>=61.2" wheel "pybind11>=2.10" "packaging>=20.9" >&2
 # Before the large torch download: fail now when neither a prebuilt wheel nor a compiler can provide the kernels.
 step "checking for a prebuilt kernel wheel or a C++ compiler" "$VPY" scripts/setup_kernels.py --check
 

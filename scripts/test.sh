@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (CI runs exactly this): set up, lint, check the Python floor,
-# compile the CUDA sources when nvcc exists, then run the CPU test suite.
+# compile the CUDA sources when nvcc exists, run the CPU test suite, then (with no pytest arguments) the plugin
+# tests in KoboldAI United's pinned Python 3.8 environment (scripts/test_united.sh).
 # pytest runs in a private temporary folder, removed afterwards, that also holds every cache the tests could
 # touch (docs/testing.md): nothing outside the checkout and that folder is read or left behind.
 set -euo pipefail
@@ -40,4 +41,12 @@ start=$SECONDS
 status=0
 TMPDIR=$private "$VPY" -m pytest -q -p no:cacheprovider "$@" || status=$?
 echo "test: pytest took $((SECONDS - start)) s" >&2
+# The whole run (no pytest arguments) also runs the plugin tests in KoboldAI United's pinned environment.
+if [ "$#" -eq 0 ]; then
+  start=$SECONDS
+  united_status=0
+  bash scripts/test_united.sh "$private" || united_status=$?
+  echo "test: United job took $((SECONDS - start)) s (exit $united_status)" >&2
+  [ "$status" -ne 0 ] || status=$united_status
+fi
 exit "$status"

@@ -147,8 +147,8 @@ def test_stop_sequence_stopper_stops_at_the_string(united: UnitedHost, model_dir
     sample_with(united, **GREEDY)
     prompt = backend.tokenizer.encode("This program is free software")
     baseline = backend.raw_generate(prompt, max_new=24)
-    text = baseline.decoded[0]
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    # United's stopper compares the end of the decoded text, so the stop string ends where a token ends.
+    stop = backend.tokenizer.decode(tokens(baseline)[:12])[-3:]
     united.vars.stop_sequence = [stop]
     stopped = backend.raw_generate(prompt, max_new=24)
     cut = tokens(stopped)
@@ -320,7 +320,7 @@ def test_rope_options_take_effect_like_transformers(united: UnitedHost, model_di
     ids = torch.tensor([[1] + list(range(40, 100))])
     config = json.loads((model_dir / "config.json").read_text())
     head_dim = config["hidden_size"] // config["num_attention_heads"]
-    cases = [({"compress_emb": 2.0}, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    cases = [({"compress_emb": 2.0}, {"rope_scaling": {"type": "linear", "factor": 2.0}}),
              ({"ntk_alpha": 3.0}, {"rope_theta": config["rope_theta"] * 3.0 ** (head_dim / (head_dim - 2))})]
     plain = None
     for values, hf_changes in cases:
@@ -450,3 +450,33 @@ def test_unload_frees_every_gpu_byte(tmp_path: Path, model_dir: Path, placement:
             backend.unload()
             torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == base
+
+
+def test_a_byte_level_bpe_model_generates_like_transformers(united: UnitedHost, checkpoints: CheckpointFactory,
+                                                            tmp_path: Path) -> None:
+    """A Llama-3-style tokenizer.json model (byte-level BPE, <|begin_of_text|>) through United's calls: the prompt's
+    ids are the `tokenizers` library's, the greedy tokens transformers' argmax, the text the library's decode. The
+    llama3 RoPE scaling is taken out so that every transformers release United may have (4.36 on) loads it."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    folder = tmp_path / "llama-bpe"
+    shutil.copytree(checkpoints.get("llama3_rope").path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("rope_scaling")
+    (folder / "config.json").write_text(json.dumps(config))
+    backend = load(united, folder)
+    sample_with(united, **GREEDY)
+    library = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    prompt = "Everyone is permitted to copy and distribute"
+    ids = backend.tokenizer.encode(prompt)
+    assert ids == library.encode(prompt, add_special_tokens=False).ids
+    result = backend.raw_generate(ids, max_new=8)
+    out = tokens(result)
+    reference = hf_load(folder)
+    sequence = torch.tensor([library.encode(prompt).ids])
+    with torch.no_grad():
+        for _ in range(8):
+            sequence = torch.cat([sequence, reference(sequence).logits[:, -1:].argmax(-1)], dim=1)
+    assert out == sequence[0, -8:].tolist()
+    assert result.decoded[0] == library.decode(out)
+    backend.unload()

@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
+from kobold_backend.engine import tokenizer_compat
 from kobold_backend.engine.tokenizer_config import AddedTokenSpec, TokenizerConfig, read_tokenizer_config
 from kobold_backend.errors import ModelFormatError
 
@@ -165,11 +166,11 @@ def _prepend_scheme(config: TokenizerConfig) -> str:
 
 def _llama_pipeline(backend: Any, config: TokenizerConfig) -> None:
     """Metaspace pre-tokenizer (spaces become "▁", the dummy prefix per `_prepend_scheme`), byte-fallback decoder."""
-    from tokenizers import decoders, pre_tokenizers
+    from tokenizers import decoders
 
     scheme = _prepend_scheme(config)
-    backend.normalizer = None
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme, split=False)
+    backend.normalizer = tokenizer_compat.empty_normalizer()
+    backend.pre_tokenizer = tokenizer_compat.metaspace(scheme)
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if scheme != "never":
         steps.append(decoders.Strip(content=" ", left=1))
@@ -181,23 +182,19 @@ def _gemma_pipeline(backend: Any) -> None:
     from tokenizers import decoders, normalizers
 
     backend.normalizer = normalizers.Replace(" ", "\u2581")
-    backend.pre_tokenizer = None
+    backend.pre_tokenizer = tokenizer_compat.empty_pre_tokenizer()
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
 
 
-def _set_byte_level_prefix(spec: Dict[str, Any], add_prefix_space: bool) -> bool:
-    """add_prefix_space from tokenizer_config.json wins over the ByteLevel pre-tokenizer's own setting; whether
-    that changed anything."""
+def _set_byte_level_prefix(spec: Dict[str, Any], add_prefix_space: bool) -> None:
+    """add_prefix_space from tokenizer_config.json wins over the ByteLevel pre-tokenizer's own setting."""
     pre = spec.get("pre_tokenizer")
     stack = [pre] if isinstance(pre, dict) else []
-    changed = False
     while stack:
         node = stack.pop()
-        if node.get("type") == "ByteLevel" and node.get("add_prefix_space") != add_prefix_space:
+        if node.get("type") == "ByteLevel":
             node["add_prefix_space"] = add_prefix_space
-            changed = True
         stack.extend(n for n in node.get("pretokenizers") or [] if isinstance(n, dict))
-    return changed
 
 
 def _sentencepiece_like(spec: Dict[str, Any]) -> bool:
@@ -216,7 +213,7 @@ class FastTokenizer(Tokenizer):
         self.config = config
         self.byte_level = byte_level
         _add_config_tokens(backend, config)
-        backend.encode_special_tokens = config.split_special_tokens
+        tokenizer_compat.set_encode_special_tokens(backend, config.split_special_tokens)
         self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
         added = backend.get_added_tokens_decoder()
         self.added: Dict[int, Any] = {int(i): t for i, t in added.items()}
@@ -325,14 +322,11 @@ def _add_config_tokens(backend: Any, config: TokenizerConfig) -> None:
 
 def _from_tokenizer_json(path: Path, config: TokenizerConfig, bos_id: Optional[int],
                          eos_ids: Sequence[int]) -> Tokenizer:
-    from tokenizers import Tokenizer as RustTokenizer
-
     try:
         spec = json.loads(path.read_text(encoding="utf-8"))
-        if config.add_prefix_space is not None and _set_byte_level_prefix(spec, config.add_prefix_space):
-            backend = RustTokenizer.from_str(json.dumps(spec))
-        else:
-            backend = RustTokenizer.from_file(str(path))
+        if config.add_prefix_space is not None:
+            _set_byte_level_prefix(spec, config.add_prefix_space)
+        backend = tokenizer_compat.from_spec(spec)
     except Exception as exc:
         raise ModelFormatError(f"{path} is not a readable tokenizer.json ({exc}).") from None
     if config.tokenizer_class in LLAMA_CLASSES and _sentencepiece_like(spec):
