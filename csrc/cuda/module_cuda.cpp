@@ -65,6 +65,8 @@ PYBIND11_MODULE(_ext_cuda, m) {
         kc::gptq_gemv(a);
     });
 
+    // decode attention runs csrc/cuda/flash_decode.cu where it fits (a module before it had only attention.cu's)
+    m.attr("flash_decode") = true;
     m.def("gptq_mma", [](std::uintptr_t x, int64_t x_stride, int64_t rows, int64_t k, std::uintptr_t qweight,
                          int64_t n, std::uintptr_t scales, std::uintptr_t zeros, int64_t group_size, int64_t groups,
                          std::uintptr_t bias, std::uintptr_t out, std::uintptr_t partial, int64_t splits, int device,

@@ -159,11 +159,11 @@ def decode_attention_at(
     if _quantized(k_cache, v_cache):
         return kv_quant.decode_attention_at(q, k_cache, v_cache, pos, length, scale, window, softcap, sinks)
     k = _kernels(q)
-    if (k is None or (q.is_cuda and length < NATIVE_DECODE_FROM) or window is not None or softcap is not None
-            or sinks is not None or v_cache.shape[-1] != q.shape[-1]):
-        # Short caches: torch's batched matmuls, which beat the first native kernel everywhere (8 vs 35 us at 128
-        # positions on the H200). A sliding window's start depends on the device position, which the torch
-        # definition masks on the device.
+    if (k is None or (q.is_cuda and (length < NATIVE_DECODE_FROM or not getattr(k.module, "flash_decode", False)))
+            or window is not None or softcap is not None or sinks is not None or v_cache.shape[-1] != q.shape[-1]):
+        # Short caches, and modules built before flash_decode.cu (a prebuilt wheel): torch's batched matmuls, which
+        # beat the first native kernel everywhere (8 vs 35 us at 128 positions on the H200). A sliding window's
+        # start depends on the device position, which the torch definition masks on the device.
         return reference.decode_attention_at(q, k_cache, v_cache, pos, length, scale, window, softcap, sinks)
     return k.decode_attention_at(q, k_cache, v_cache, pos, length, scale)
 
