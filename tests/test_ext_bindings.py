@@ -111,6 +111,7 @@ def test_cuda_wrappers_name_every_argument_of_their_kernel(monkeypatch: pytest.M
     k.exl2_matmul(random((2, ew.in_features), half, seed=4), ew)
     k.exl2_dequantize(ew)
     gw = GGMLWeight(torch.zeros(32, row_bytes("Q8_0", 64), dtype=torch.uint8), "Q8_0", 64, 32)
+    k.ggml_kernel = "classic"
     k.ggml_matmul(x, gw)
     k.ggml_kernel = "q8-pdl"
     k.ggml_matmul(x, gw)
