@@ -38,6 +38,21 @@ def test_bench_tiny_cpu_writes_every_field(tmp_path: Path, act_order: bool) -> N
     assert "skipped" in result["exllamav2"] and "skipped" in result["transformers"]
 
 
+def test_bench_times_each_cache_dtype_of_a_list(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--cache-dtype fp16,q8 times the same checkpoint once per cache: one result each, each with its own cache
+    bytes (the q8 cache under half the fp16 one), and a table per cache."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--preset", "tiny", "--device", "cpu", "--cache-dtype", "fp16,q8", "--json",
+                 str(out)]) == 0
+    runs = json.loads(out.read_text())["cache_dtypes"]
+    assert list(runs) == ["fp16", "q8"]
+    assert [r["cache_dtype"] for r in runs.values()] == ["fp16", "q8"]
+    fp16, q8 = (r["kobold_backend"]["cache_bytes"] for r in runs.values())
+    assert 0 < q8 < fp16 / 2  # one byte and a scale per 32 values against 2 (4 for the CPU float32 cache)
+    assert all(r["kobold_backend"]["decode_tokens_per_s"]["100"] > 0 for r in runs.values())
+    assert capsys.readouterr().err.count("KV cache q8") == 1
+
+
 def test_synthetic_checkpoint_is_a_valid_gptq_model(tmp_path: Path) -> None:
     folder = write_synthetic_gptq(tmp_path / "m", PRESETS["tiny"], group_size=32, act_order=True, device="cpu")
     config = ModelConfig.from_dir(folder)

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -71,7 +71,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--quick", action="store_true", help="short runs (for tests and tiny models)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE ('-' for stdout)")
     p.add_argument("--cache-dtype", default="fp16", type=cache_dtype_list, metavar="fp16|q8|q4|k8v4[,...]",
-                   help="KV cache storage (docs/kv-cache.md); with --perplexity a comma-separated list to compare")
+                   help="KV cache storage (docs/kv-cache.md); a comma-separated list times (or with --perplexity, "
+                        "measures) each in turn")
     p.add_argument("--contexts", default=None, type=context_list, metavar="N,N",
                    help="decode contexts to time (default 128,4000); the cache holds the longest plus 608")
     p.add_argument("--perplexity", metavar="FILE", type=existing_path,
@@ -165,15 +166,10 @@ def _speculation(args: argparse.Namespace, path: str, tmp: Path, quick: bool) ->
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from kobold_backend.bench.engine_bench import bench_engine
-
     if args.perplexity:
         from kobold_backend.bench.perplexity import run_perplexity
 
         return run_perplexity(args)
-    if len(args.cache_dtype) != 1:
-        log.error("--cache-dtype takes one value when timing (a list only with --perplexity)")
-        return 2
     if args.format != "gptq" and (args.act_order or args.group_size != 128):
         raise KoboldBackendError(f"--act-order and --group-size shape the synthetic GPTQ checkpoint; --format "
                                  f"{args.format} writes its own layout, so drop them")
@@ -200,38 +196,49 @@ def run_bench(args: argparse.Namespace) -> int:
                      max_seq_len=256) if quick else {}
         if args.contexts:
             shape.update(contexts=tuple(args.contexts), max_seq_len=max(args.contexts) + 608)
-        log.info("measuring kobold-backend")
-        result: Dict[str, Any] = {"environment": environment(), "preset": None if args.model else args.preset,
-                                  "act_order": args.act_order, "model": args.model,
-                                  "format": None if args.model else args.format,
-                                  "cache_dtype": args.cache_dtype[0],
-                                  "kobold_backend": bench_engine(path, args.device, use_graphs=not args.no_graphs,
-                                                                 cache_dtype=args.cache_dtype[0], **shape)}
-        if compare:
-            from kobold_backend.bench.compare import bench_exllamav2, bench_transformers
-
-            benches = {"exllamav2": bench_exllamav2, "transformers": bench_transformers}
-            for name in (n for n in REFERENCES if n in compare and n != "llamacpp"):
-                log.info("measuring %s", name)
-                result[name] = _compared(benches[name], path) if torch.cuda.is_available() else \
-                    {"skipped": "no CUDA GPU"}
-            result["ratios"] = {name: _ratios(result["kobold_backend"], result[name])
-                                for name in compare if name != "llamacpp" and "skipped" not in result[name]}
-            if llama_bench is not None:
-                _compare_llamacpp(result, llama_bench, path, args.cache_dtype[0], shape)
-        if args.speculative:
-            result["speculation"] = _speculation(args, path, Path(tmp), quick)
-        if args.samplers:
-            from kobold_backend.engine.sampling import benchmark_samplers
-
-            result["samplers"] = {str(v): benchmark_samplers(v) for v in (32000, 128256)}
+        runs = [_measure(args, path, shape, compare, llama_bench, Path(tmp), quick, dtype, first=i == 0)
+                for i, dtype in enumerate(args.cache_dtype)]
+    result = runs[0] if len(runs) == 1 else {"cache_dtypes": dict(zip(args.cache_dtype, runs))}
     text = json.dumps(result, indent=2)
     if args.json == "-":
         sys.stdout.write(text + "\n")
     elif args.json:
         Path(args.json).write_text(text + "\n")
-    sys.stderr.write(format_table(result) + "\n")
+    sys.stderr.write("\n".join(format_table(r) for r in runs) + "\n")
     return 0
+
+
+def _measure(args: argparse.Namespace, path: str, shape: Dict[str, Any], compare: List[str],
+             llama_bench: Optional[str], tmp: Path, quick: bool, cache_dtype: str, first: bool) -> Dict[str, Any]:
+    """One timing of the engine with `cache_dtype` (and its references); speculation and samplers once, on the
+    first cache dtype of the list."""
+    from kobold_backend.bench.engine_bench import bench_engine
+
+    log.info("measuring kobold-backend with a %s cache", cache_dtype)
+    result: Dict[str, Any] = {"environment": environment(), "preset": None if args.model else args.preset,
+                              "act_order": args.act_order, "model": args.model,
+                              "format": None if args.model else args.format, "cache_dtype": cache_dtype,
+                              "kobold_backend": bench_engine(path, args.device, use_graphs=not args.no_graphs,
+                                                             cache_dtype=cache_dtype, **shape)}
+    if compare:
+        from kobold_backend.bench.compare import bench_exllamav2, bench_transformers
+
+        benches = {"exllamav2": bench_exllamav2, "transformers": bench_transformers}
+        for name in (n for n in REFERENCES if n in compare and n != "llamacpp"):
+            log.info("measuring %s", name)
+            result[name] = _compared(benches[name], path) if torch.cuda.is_available() else \
+                {"skipped": "no CUDA GPU"}
+        result["ratios"] = {name: _ratios(result["kobold_backend"], result[name])
+                            for name in compare if name != "llamacpp" and "skipped" not in result[name]}
+        if llama_bench is not None:
+            _compare_llamacpp(result, llama_bench, path, cache_dtype, shape)
+    if first and args.speculative:
+        result["speculation"] = _speculation(args, path, tmp, quick)
+    if first and args.samplers:
+        from kobold_backend.engine.sampling import benchmark_samplers
+
+        result["samplers"] = {str(v): benchmark_samplers(v) for v in (32000, 128256)}
+    return result
 
 
 def _flat(tree: Dict[str, Any], prefix: str = "") -> Iterator[Tuple[str, float]]:
