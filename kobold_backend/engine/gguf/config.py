@@ -213,6 +213,8 @@ def _rope_scaling(key: Any, where: str) -> Optional[Dict[str, Any]]:
     factor = key("rope.scaling.factor")
     if kind in (None, "none") or (kind is None and not factor):
         return None
-    if kind == "linear":
+    if kind == "linear" and factor is not None:
         return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "linear":
+        raise ModelFormatError(f"{where}: GGUF RoPE scaling is linear but rope.scaling.factor is missing.")
     raise ModelFormatError(f"{where}: GGUF RoPE scaling {kind!r} is not supported (supported: linear).")
