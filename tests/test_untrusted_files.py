@@ -263,7 +263,7 @@ def test_bounded_templates_still_render_what_templates_write() -> None:
 
 def _merges_by_definition(vocab: Dict[str, int]) -> List[Tuple[str, str]]:
     """Every split of every piece into two pieces, by merged id then left length (the written-down rule)."""
-    return [(l, r) for _, _, l, r in sorted((i, c, p[:c], p[c:]) for p, i in vocab.items()
+    return [(left, right) for _, _, left, right in sorted((i, c, p[:c], p[c:]) for p, i in vocab.items()
                                             for c in range(1, len(p)) if p[:c] in vocab and p[c:] in vocab)]
 
 
