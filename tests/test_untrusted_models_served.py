@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Dict
 
 import gguf
-import psutil
 import pytest
 
 from kobold_backend.server import ServerConfig, create_app
@@ -57,7 +56,6 @@ def models(checkpoints: CheckpointFactory, tmp_path: Path) -> Any:
 def test_put_model_with_a_malformed_file_keeps_the_old_model_serving(models: Any) -> None:
     root, cases = models
     app = create_app(ServerConfig(models_dir=root), make_holder(root / "good"))
-    proc = psutil.Process()
     try:
         c = app.test_client()
         before = c.post("/api/v1/generate", json=GREEDY).get_json()
@@ -72,8 +70,8 @@ def test_put_model_with_a_malformed_file_keeps_the_old_model_serving(models: Any
                 assert c.post("/api/v1/generate", json=GREEDY).get_json() == before, name
             gc.collect()
             if rss is None:
-                rss = proc.memory_info().rss
-        growth = (proc.memory_info().rss - rss) / 2**20
+                rss = ff.rss_mb()
+        growth = ff.rss_mb() - rss
         assert growth < RSS_GROWTH_MB, f"RSS grew by {growth:.0f} MiB over a round of malformed loads"
     finally:
         app.extensions["kobold_backend"].close()
