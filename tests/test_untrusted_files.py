@@ -277,3 +277,14 @@ def test_sentencepiece_merges_are_bounded_by_the_file_and_unchanged() -> None:
     start = time.perf_counter()
     bpe_merges(vocab)
     assert time.perf_counter() - start < 1.0
+
+
+def test_metadata_real_files_write_is_still_accepted(tmp_path: Path) -> None:
+    """Gemma 3's per-layer pattern as booleans and infinite scores (only copied into the tokenizer) are valid."""
+    scores = [-float("inf")] + [-float(i) for i in range(1, len(ff.LLAMA_TOKENS))]
+    path = _metadata_file(tmp_path, {"llama.attention.sliding_window_pattern": ([True, False], V.ARRAY),
+                                     "tokenizer.ggml.scores": (scores, V.ARRAY)})
+    gguf_file = GGUFFile(path)
+    assert gguf_file.metadata["llama.attention.sliding_window_pattern"] == [True, False]
+    gguf_file.close()
+    assert ModelConfig.from_dir(path).hidden_size == 32

@@ -2,7 +2,8 @@
 config and tokenizer builders can take every value they use at its word.
 
 A size (layers, heads, widths, context) must be a whole number inside the engine's config bounds before any list or
-table is made from it; a float must be finite; the vocabulary arrays must be strings, numbers and ints of one length.
+table is made from it; a float must be finite; the vocabulary arrays must be strings, numbers and ints of one length
+(scores may be infinite: they are only copied into the tokenizer).
 Special-token ids outside the vocabulary are dropped with a warning, as llama.cpp does.
 """
 
@@ -42,6 +43,10 @@ SPECIAL_IDS = ("bos", "eos", "eot", "eom", "unknown", "padding")
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:
@@ -89,7 +94,7 @@ def check_metadata(meta: Dict[str, Any], where: str) -> None:
                 raise bad(key, "a finite number " + ("of at least 0" if zero_ok else "above 0"))
         pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
         if pattern is not None and not (_is_int(pattern) and 0 <= pattern <= CONFIG_BOUNDS["num_hidden_layers"]
-                                        or isinstance(pattern, list) and all(_is_int(p) for p in pattern)):
+                                        or isinstance(pattern, list) and all(isinstance(p, int) for p in pattern)):
             raise bad(f"{arch}.attention.sliding_window_pattern", "a layer count or an array of booleans")
     _check_vocabulary(meta, where, bad)
 
@@ -102,7 +107,7 @@ def _check_vocabulary(meta: Dict[str, Any], where: str, bad: Any) -> None:
         raise bad("tokenizer.ggml.tokens", "an array of strings")
     if len(tokens) > CONFIG_BOUNDS["vocab_size"]:
         raise bad("tokenizer.ggml.tokens", f"at most {CONFIG_BOUNDS['vocab_size']} tokens")
-    for key, check, kind in (("tokenizer.ggml.scores", _is_number, "finite numbers"),
+    for key, check, kind in (("tokenizer.ggml.scores", _is_real, "numbers"),
                              ("tokenizer.ggml.token_type", _is_int, "whole numbers")):
         values = meta.get(key)
         if values is not None and not (isinstance(values, list) and len(values) == len(tokens)
