@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from kobold_backend.engine.config_types import (  # noqa: F401  (RopeScaling, EXL2_QUANT: imported from here too)
+    CONFIG_BOUNDS,
     EXL2_QUANT,
     ConfigData,
     Features,
@@ -28,15 +29,6 @@ from kobold_backend.errors import ModelFormatError
 
 if TYPE_CHECKING:
     from kobold_backend.engine.architectures.base import Architecture
-
-# Sanity bounds on config.json sizes, far above any released model (Llama 3.1 405B: 126 layers, hidden 16384,
-# 128 heads, vocab 128256), checked before anything is allocated from them.
-CONFIG_BOUNDS = {
-    "num_hidden_layers": 1024, "hidden_size": 1 << 17, "intermediate_size": 1 << 20,
-    "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 4096, "vocab_size": 1 << 23,
-    "max_position_embeddings": 1 << 24,
-}
-
 
 class ModelConfig(ConfigData):
     """The configuration of one model folder or GGUF file, read by `from_dir` / `from_dict` with its architecture

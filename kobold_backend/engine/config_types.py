@@ -12,6 +12,14 @@ from typing import Any, Dict, Optional, Tuple
 
 from kobold_backend.errors import ModelFormatError
 
+# Sanity bounds on config.json sizes, far above any released model (Llama 3.1 405B: 126 layers, hidden 16384,
+# 128 heads, vocab 128256), checked before anything is allocated from them.
+CONFIG_BOUNDS = {
+    "num_hidden_layers": 1024, "hidden_size": 1 << 17, "intermediate_size": 1 << 20,
+    "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 4096, "vocab_size": 1 << 23,
+    "max_position_embeddings": 1 << 24,
+}
+
 
 @dataclass(frozen=True)
 class RopeScaling:

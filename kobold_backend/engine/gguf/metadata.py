@@ -13,7 +13,7 @@ import logging
 import math
 from typing import Any, Dict, Tuple
 
-from kobold_backend.engine.config import CONFIG_BOUNDS
+from kobold_backend.engine.config_types import CONFIG_BOUNDS
 from kobold_backend.errors import ModelFormatError
 
 log = logging.getLogger(__name__)
