@@ -7,7 +7,8 @@ crash, a parse over 2 s a timeout, and resident memory capped.
     python tools/fuzz_parsers.py all -max_total_time=120   # each parser in turn, in its own process
 
 Parsers: gguf, safetensors, exl2, config, tokenizer_json, tokenizer_model, template. libFuzzer's options follow the
-parser's name (-max_total_time, -runs, -jobs ...); -timeout=2 and -rss_limit_mb=2048 are set unless given.
+parser's name (-max_total_time, -runs, -jobs ...); -timeout=2, -rss_limit_mb=2048 and an -artifact_prefix in the
+temporary folder (printed) are set unless given.
 libFuzzer's last line gives the executions ("Done N runs in T second(s)").
 """
 
@@ -88,6 +89,7 @@ def fuzz(parser: str, args: List[str]) -> None:
         import kobold_backend.engine.gguf.checkpoint  # noqa: F401
         import kobold_backend.engine.tokenizer  # noqa: F401
         import kobold_backend.engine.weights  # noqa: F401
+        import kobold_backend.ops.exl2_weight  # noqa: F401
     from kobold_backend.errors import KoboldBackendError
     from tests.fixtures import fuzz_files as ff
 
@@ -103,8 +105,12 @@ def fuzz(parser: str, args: List[str]) -> None:
     corpus = Path(tempfile.mkdtemp(prefix=f"kobold-fuzz-{parser}-"))
     for i, data in enumerate(seeds(ff, parser)):
         (corpus / f"seed{i}").write_bytes(data)
-    defaults = [a for a in ("-timeout=2", "-rss_limit_mb=2048") if not any(x.startswith(a.split("=")[0])
-                                                                          for x in args)]
+        one(data)  # the first run imports what the target reads with: not a parse libFuzzer should time
+    found = corpus.parent / f"{corpus.name}-found"
+    found.mkdir()
+    print(f"crash, timeout and out-of-memory inputs go to {found}", flush=True)
+    options = ("-timeout=2", "-rss_limit_mb=2048", f"-artifact_prefix={found}/")
+    defaults = [a for a in options if not any(x.startswith(a.split("=")[0]) for x in args)]
     atheris.Setup([sys.argv[0]] + defaults + args + [str(corpus)], one)
     atheris.Fuzz()
 

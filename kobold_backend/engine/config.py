@@ -30,6 +30,7 @@ from kobold_backend.errors import ModelFormatError
 if TYPE_CHECKING:
     from kobold_backend.engine.architectures.base import Architecture
 
+
 class ModelConfig(ConfigData):
     """The configuration of one model folder or GGUF file, read by `from_dir` / `from_dict` with its architecture
     description looked up (engine/architectures); the fields are ConfigData's."""
