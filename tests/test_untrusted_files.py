@@ -94,12 +94,12 @@ GGUF_CASES: List[Tuple[str, bytes, str]] = [
 def test_malformed_gguf_containers_are_one_sentence(tmp_path: Path, name: str, data: bytes, message: str) -> None:
     path = tmp_path / "bad.gguf"
     path.write_bytes(data)
-    start = time.perf_counter()
+    start = time.process_time()
     with pytest.raises(ModelFormatError, match="^bad.gguf: ") as err:
         GGUFFile(path)
     assert message in str(err.value)
     assert str(err.value).count(". ") == 0 and str(err.value).endswith(".")
-    assert time.perf_counter() - start < 0.5
+    assert time.process_time() - start < 0.5
 
 
 def test_a_valid_container_reads_as_the_gguf_package_wrote_it(tmp_path: Path) -> None:
@@ -244,10 +244,10 @@ MESSAGES = [{"role": "user", "content": "hi"}]
     ("{{ messages.__class__.__mro__ }}", "unsafe"),
 ])
 def test_chat_templates_are_bounded(source: str, message: str) -> None:
-    start = time.perf_counter()
+    start = time.process_time()
     with pytest.raises(TemplateRenderError, match=message):
         ChatFormatter(source, _Tokens()).render(MESSAGES)  # type: ignore[arg-type]
-    assert time.perf_counter() - start < 2.0
+    assert time.process_time() - start < 2.0
 
 
 def test_bounded_templates_still_render_what_templates_write() -> None:
@@ -274,9 +274,9 @@ def test_sentencepiece_merges_are_bounded_by_the_file_and_unchanged() -> None:
         vocab.setdefault("".join(rng.choice(list("abc▁"), rng.integers(1, 7))), len(vocab))
     assert bpe_merges(vocab) == _merges_by_definition(vocab)
     vocab["a" * 300_000] = len(vocab)  # one piece as long as a whole vocabulary file
-    start = time.perf_counter()
+    start = time.process_time()
     bpe_merges(vocab)
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
 
 
 def test_metadata_real_files_write_is_still_accepted(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 the messages) with what one render may cost bounded, since a template comes with a model file from anyone.
 
 - Work: every loop iteration, macro body, call, filter and intercepted operator is a step; a render may take
-  MAX_STEPS steps and MAX_SECONDS of wall time (checked at each step), so nested loops end.
+  MAX_STEPS steps and MAX_SECONDS of its thread's CPU time (checked every 256 steps), so nested loops end.
 - Size: no string or list a template makes may pass the render's size limit (1 MiB plus four times the text of
   the messages), checked before `*`, `+`, `**` and `str.replace` build their result; integer arguments of calls
   and filters (widths, indents, counts) are at most MAX_ARGUMENT, like Jinja's own `range`; the output, literal text
@@ -42,7 +42,7 @@ class Budget:
         self.limit = BASE_LIMIT + 4 * input_chars
         self.steps = 0
         self.output = 0
-        self.deadline = time.monotonic() + MAX_SECONDS
+        self.deadline = time.thread_time() + MAX_SECONDS
 
     def step(self, chars: int = 0) -> None:
         self.steps += 1
@@ -51,8 +51,8 @@ class Budget:
             raise SecurityError(f"the chat template ran more than {MAX_STEPS} steps")
         if self.output > self.limit:
             raise SecurityError(f"the chat template's output passed {self.limit} characters")
-        if self.steps % 256 == 0 and time.monotonic() > self.deadline:
-            raise SecurityError(f"the chat template ran longer than {MAX_SECONDS} s")
+        if self.steps % 256 == 0 and time.thread_time() > self.deadline:
+            raise SecurityError(f"the chat template ran longer than {MAX_SECONDS} s of CPU time")
 
     def size(self, n: int, what: str) -> None:
         if n > self.limit:
