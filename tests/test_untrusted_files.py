@@ -194,6 +194,30 @@ def test_config_files_that_are_not_json_text_are_one_sentence(tmp_path: Path, da
         ModelConfig.from_dir(tmp_path)
 
 
+@pytest.mark.parametrize("entry,message", [
+    ({"dtype": "F16", "shape": [4, 8], "data_offsets": [0, 2**40]}, "a.weight has no valid dtype, shape and "
+     "data_offsets inside the file's"),
+    ({"dtype": "F16", "shape": [2**62, 2**62], "data_offsets": [0, 64]}, "a.weight has shape [4611686018427387904, "
+     "4611686018427387904] of F16"),
+    ({"dtype": "F16", "shape": [4, -8], "data_offsets": [0, 64]}, "a.weight has no valid dtype"),
+    ("F16", "a.weight has no valid dtype"),
+])
+def test_the_folder_checks_read_safetensors_headers_checked(tmp_path: Path, entry: Any, message: str) -> None:
+    """United's folder browser and doctor read headers through engine/weights.safetensors_header."""
+    from kobold_backend.engine.weights import safetensors_header
+
+    header, body = ff.split_safetensors(ff.safetensors_seed())
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(ff.join_safetensors(dict(header, **{"a.weight": entry}), body))
+    with pytest.raises(ModelFormatError, match="^model.safetensors: ") as err:
+        safetensors_header(path)
+    assert message in str(err.value)
+    for data in (b"\x01\x02", ff.join_safetensors(header, body, declared=2**63), ff.join_safetensors([1], body)):
+        path.write_bytes(data)
+        with pytest.raises(ModelFormatError, match="^model.safetensors: "):
+            safetensors_header(path)
+
+
 def test_safetensors_header_lengths_and_offsets_are_refused(tmp_path: Path) -> None:
     header, body = ff.split_safetensors(ff.safetensors_seed())
     for data in (ff.join_safetensors(header, body, declared=2**63),

@@ -41,6 +41,8 @@ def safetensors_files(folder: Path) -> List[Path]:
 
 # safetensors' own limit on the JSON header (the Rust crate refuses larger ones).
 MAX_HEADER_BYTES = 100_000_000
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def safetensors_header(path: Path) -> Dict[str, Dict[str, object]]:
@@ -75,6 +77,13 @@ def safetensors_header(path: Path) -> Dict[str, Dict[str, object]]:
                 and 0 <= offsets[0] <= offsets[1] <= data):
             raise ModelFormatError(f"{path.name}: tensor {name} has no valid dtype, shape and data_offsets inside "
                                    f"the file's {data} data bytes.")
+        count = 1
+        for d in shape:
+            count *= d
+        width = _DTYPE_BYTES.get(entry["dtype"])
+        if width is not None and count * width != offsets[1] - offsets[0]:
+            raise ModelFormatError(f"{path.name}: tensor {name} has shape {shape} of {entry['dtype']} "
+                                   f"({count * width} bytes) but data_offsets span {offsets[1] - offsets[0]} bytes.")
         out[name] = entry
     return out
 
