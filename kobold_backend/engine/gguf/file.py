@@ -26,7 +26,11 @@ class GGUFFile:
         self._contents = contents
         self.metadata: Dict[str, Any] = contents.metadata
         self._tensors: Dict[str, TensorRecord] = contents.tensors
-        check_metadata(self.metadata, path.name)
+        try:
+            check_metadata(self.metadata, path.name)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         self._tensors = {}
