@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kobold_backend.engine.chat_template import ChatFormatter, TemplateRenderError
+from kobold_backend.engine.chat_template import ChatFormatter, TemplateCompileError, TemplateRenderError
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.exl2 import load_exl2_linear
 from kobold_backend.engine.gguf.file import GGUFFile
@@ -272,6 +272,15 @@ def test_chat_templates_are_bounded(source: str, message: str) -> None:
     with pytest.raises(TemplateRenderError, match=message):
         ChatFormatter(source, _Tokens()).render(MESSAGES)  # type: ignore[arg-type]
     assert time.process_time() - start < 2.0
+
+
+@pytest.mark.parametrize("source", ["{% for a in b %}" * 25 + "{% endfor %}" * 25,
+                                    "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}"])
+def test_templates_nested_past_pythons_limits_are_compile_errors(source: str) -> None:
+    """Found by atheris: Python's compiler refuses 20+ nested blocks (SyntaxError) and Jinja's recursive parser
+    overflows on deep parentheses (RecursionError); both were uncaught."""
+    with pytest.raises(TemplateCompileError, match="the template nests too deeply"):
+        ChatFormatter(source, _Tokens())  # type: ignore[arg-type]
 
 
 def test_bounded_templates_still_render_what_templates_write() -> None:

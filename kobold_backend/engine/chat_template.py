@@ -84,6 +84,8 @@ def compile_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise TemplateCompileError(f"line {e.lineno}: {e.message}") from None
+    except (SyntaxError, RecursionError, MemoryError) as e:  # Python's compiler and Jinja's parser have depth limits
+        raise TemplateCompileError(f"the template nests too deeply ({type(e).__name__}: {e})") from None
 
 
 class ChatFormatter:
