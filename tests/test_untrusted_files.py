@@ -321,3 +321,21 @@ def test_metadata_real_files_write_is_still_accepted(tmp_path: Path) -> None:
     assert gguf_file.metadata["llama.attention.sliding_window_pattern"] == [True, False]
     gguf_file.close()
     assert ModelConfig.from_dir(path).hidden_size == 32
+
+
+def test_permuted_rows_that_do_not_split_into_heads_are_one_sentence(tmp_path: Path) -> None:
+    """Found by hypothesis: a Q weight whose rows are not a whole number per head reached llama.cpp's un-permutation
+    and failed in torch's reshape."""
+    from kobold_backend.engine.gguf.config import ARCHITECTURES
+    from kobold_backend.engine.gguf.weights import GGUFWeights
+
+    data = ff.gguf_seed("llama")
+    record = tensor("blk.0.attn_q.weight", [32, 32], kind=8)  # Q8_0 rows of 32 values
+    offset = data.index(record[:-12])  # the record's name and dims, then its type and offset
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(data[:offset] + tensor("blk.0.attn_q.weight", [32, 30], kind=8)[:-12] + data[offset +
+                                                                                                 len(record) - 12:])
+    weights = GGUFWeights(GGUFFile(path), ARCHITECTURES["llama"], 4, 4)
+    with pytest.raises(ModelFormatError, match="blk.0.attn_q.weight in bad.gguf has 30 rows, not an even number "
+                                               "per head for its 4 heads"):
+        weights.get("model.layers.0.self_attn.q_proj.weight")
