@@ -217,7 +217,7 @@ def write_config(folder: Path, ckpt: Any, **changes: Any) -> Path:
     ({"vocab_size": 10**12}, "vocab_size"),
     ({"num_hidden_layers": 3}, "holds 2 layers"),
     ({"vocab_size": 999}, "model.embed_tokens.weight has shape"),
-    ({"num_hidden_layers": "many"}, "not a whole number"),
+    ({"num_hidden_layers": "many"}, "num_hidden_layers is 'many'; a whole number is expected"),
 ])
 def test_config_sizes_are_checked_before_anything_is_allocated(ckpt: Any, tmp_path: Path, changes: Any,
                                                                message: str) -> None:

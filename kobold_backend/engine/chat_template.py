@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Optional
 import jinja2
 import jinja2.nodes
 from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kobold_backend.engine.template_sandbox import BoundedSandbox, render_bounded
 from kobold_backend.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,12 +71,12 @@ def _jinja_version() -> tuple:
 @functools.lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
     """The template compiled in an immutable sandbox like transformers' (trim_blocks, lstrip_blocks, loop
-    controls, raise_exception, strftime_now, a tojson that does not escape HTML)."""
+    controls, raise_exception, strftime_now, a tojson that does not escape HTML), with each render's work and
+    sizes bounded (template_sandbox.py)."""
     if _jinja_version() < SAFE_JINJA:
         log.warning("Jinja2 %s has known sandbox escapes; install Jinja2 >= 3.1.6 before serving untrusted "
                     "chat templates", jinja2.__version__)
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, loopcontrols])
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -84,6 +84,8 @@ def compile_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise TemplateCompileError(f"line {e.lineno}: {e.message}") from None
+    except (SyntaxError, RecursionError, MemoryError) as e:  # Python's compiler and Jinja's parser have depth limits
+        raise TemplateCompileError(f"the template nests too deeply ({type(e).__name__}: {e})") from None
 
 
 class ChatFormatter:
@@ -100,12 +102,14 @@ class ChatFormatter:
         like it, keys whose value is None are dropped from the messages, so `content: null` reads as missing)."""
         messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token, eos_token=self.eos_token, tools=None,
-                                        documents=None)
+            return render_bounded(self.template, len(str(messages)), dict(
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
+                eos_token=self.eos_token, tools=None, documents=None))
         except jinja2.TemplateError as e:
             raise TemplateRenderError(str(e.message or e)) from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as e:
+        except RecursionError:
+            raise TemplateRenderError("the chat template recursed too deeply") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError, MemoryError) as e:
             raise TemplateRenderError(f"the chat template failed on these messages ({type(e).__name__}: {e})") \
                 from None
 

@@ -12,28 +12,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from kobold_backend.engine.config_types import (  # noqa: F401  (RopeScaling, EXL2_QUANT: imported from here too)
+    CONFIG_BOUNDS,
     EXL2_QUANT,
     ConfigData,
     Features,
     QuantConfig,
     RopeScaling,
     RopeSpec,
+    number,
     parse_rope_scaling,
     rope_settings,
     rope_theta,
+    whole,
 )
 from kobold_backend.errors import ModelFormatError
 
 if TYPE_CHECKING:
     from kobold_backend.engine.architectures.base import Architecture
-
-# Sanity bounds on config.json sizes, far above any released model (Llama 3.1 405B: 126 layers, hidden 16384,
-# 128 heads, vocab 128256), checked before anything is allocated from them.
-CONFIG_BOUNDS = {
-    "num_hidden_layers": 1024, "hidden_size": 1 << 17, "intermediate_size": 1 << 20,
-    "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 4096, "vocab_size": 1 << 23,
-    "max_position_embeddings": 1 << 24,
-}
 
 
 class ModelConfig(ConfigData):
@@ -85,26 +80,21 @@ class ModelConfig(ConfigData):
         where = str(folder) if folder is not None else "config.json"
         model_type = raw.get("model_type")
         archs = raw.get("architectures") or []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ModelFormatError(f"{where}: architectures is {archs!r:.60}; a list of class names is expected.")
         arch = lookup(model_type, archs, where)
         raw = arch.text_config(raw, where)
         try:
-            hidden = int(raw["hidden_size"])
-            inter = int(raw["intermediate_size"])
-            layers = int(raw["num_hidden_layers"])
-            heads = int(raw["num_attention_heads"])
-            vocab = int(raw["vocab_size"])
-            for key, value in (("hidden_size", hidden), ("intermediate_size", inter), ("num_hidden_layers", layers),
-                               ("num_attention_heads", heads), ("vocab_size", vocab)):
-                _check_bound(where, key, value)
-            kv_heads = int(raw.get("num_key_value_heads") or heads)
-            head_dim = int(raw.get("head_dim") or hidden // heads)
-            max_pos = int(raw.get("max_position_embeddings", 2048))
+            hidden, inter, layers, heads, vocab = (whole(raw[key], key, where) for key in (
+                "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"))
         except KeyError as exc:
             raise ModelFormatError(f"{where}: config.json lacks the required key {exc.args[0]!r}.") from None
-        except ModelFormatError:
-            raise
-        except (TypeError, ValueError, OverflowError):
-            raise ModelFormatError(f"{where}: config.json holds a size that is not a whole number.") from None
+        for key, value in (("hidden_size", hidden), ("intermediate_size", inter), ("num_hidden_layers", layers),
+                           ("num_attention_heads", heads), ("vocab_size", vocab)):
+            _check_bound(where, key, value)
+        kv_heads = whole(raw.get("num_key_value_heads") or heads, "num_key_value_heads", where)
+        head_dim = whole(raw.get("head_dim") or hidden // heads, "head_dim", where)
+        max_pos = whole(raw.get("max_position_embeddings", 2048), "max_position_embeddings", where)
         for key, value in (("num_key_value_heads", kv_heads), ("head_dim", head_dim),
                            ("max_position_embeddings", max_pos)):
             _check_bound(where, key, value)
@@ -114,7 +104,22 @@ class ModelConfig(ConfigData):
             )
         if head_dim % 2:
             raise ModelFormatError(f"{where}: head_dim {head_dim} is odd; RoPE needs an even head size.")
-        bos, eos = _special_ids(raw, folder)
+        try:
+            return cls._build(raw, folder, where, arch, (hidden, inter, layers, heads, kv_heads, head_dim, vocab,
+                                                         max_pos))
+        except (TypeError, ValueError, ArithmeticError, AttributeError, KeyError, IndexError) as exc:
+            if isinstance(exc, ModelFormatError):
+                raise
+            # a description reading a value of the wrong type: the file is at fault, not the engine
+            raise ModelFormatError(f"{where}: config.json holds a value of the wrong type or size for "
+                                   f"{model_type} ({type(exc).__name__}: {exc}).") from None
+
+    @classmethod
+    def _build(cls, raw: Dict[str, Any], folder: Optional[Path], where: str, arch: Architecture,
+               sizes: Tuple[int, ...]) -> ModelConfig:
+        hidden, inter, layers, heads, kv_heads, head_dim, vocab, max_pos = sizes
+        model_type, archs = raw.get("model_type"), raw.get("architectures") or []
+        bos, eos = _special_ids(raw, folder, where)
         config = cls(
             hidden_size=hidden,
             intermediate_size=inter,
@@ -123,8 +128,8 @@ class ModelConfig(ConfigData):
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             vocab_size=vocab,
-            rms_norm_eps=float(raw.get("rms_norm_eps", raw.get("layer_norm_eps", 1e-6))),
-            rope_theta=rope_theta(raw),
+            rms_norm_eps=number(raw.get("rms_norm_eps", raw.get("layer_norm_eps", 1e-6)), "rms_norm_eps", where),
+            rope_theta=rope_theta(raw, where=where),
             rope_scaling=parse_rope_scaling(raw, rope_settings(raw), head_dim, where),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -166,29 +171,33 @@ def _read_json(path: Path) -> Dict[str, Any]:
             data = json.load(fh)
     except json.JSONDecodeError as exc:
         raise ModelFormatError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}).") from None
+    except UnicodeDecodeError:
+        raise ModelFormatError(f"{path} is not UTF-8 text.") from None
+    except RecursionError:
+        raise ModelFormatError(f"{path} nests its JSON too deeply.") from None
     if not isinstance(data, dict):
         raise ModelFormatError(f"{path} must hold a JSON object.")
     return data
 
 
-def _as_id_tuple(value: Any) -> Tuple[int, ...]:
+def _as_id_tuple(value: Any, where: str) -> Tuple[int, ...]:
     if value is None:
         return ()
     if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
+        return tuple(whole(v, "eos_token_id", where) for v in value)
+    return (whole(value, "eos_token_id", where),)
 
 
-def _special_ids(raw: Dict[str, Any], folder: Optional[Path]) -> Tuple[Optional[int], Tuple[int, ...]]:
+def _special_ids(raw: Dict[str, Any], folder: Optional[Path], where: str) -> Tuple[Optional[int], Tuple[int, ...]]:
     bos = raw.get("bos_token_id")
-    eos = _as_id_tuple(raw.get("eos_token_id"))
+    eos = _as_id_tuple(raw.get("eos_token_id"), where)
     if folder is not None and (folder / "generation_config.json").is_file():
         gen = _read_json(folder / "generation_config.json")
         if gen.get("bos_token_id") is not None:
             bos = gen["bos_token_id"]
-        gen_eos = _as_id_tuple(gen.get("eos_token_id"))
+        gen_eos = _as_id_tuple(gen.get("eos_token_id"), f"{folder / 'generation_config.json'}")
         eos = tuple(dict.fromkeys(eos + gen_eos))
-    return (int(bos) if bos is not None else None), eos
+    return (whole(bos, "bos_token_id", where) if bos is not None else None), eos
 
 
 def _quant_config(raw: Dict[str, Any], folder: Optional[Path], where: str) -> Optional[QuantConfig]:
@@ -221,10 +230,10 @@ def _quant_config(raw: Dict[str, Any], folder: Optional[Path], where: str) -> Op
         )
     if qc.get("is_marlin_format"):
         raise ModelFormatError(f"{where}: Marlin-format GPTQ checkpoints are not supported.")
-    bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    bits = whole(qc.get("bits", qc.get("w_bit", 4)), "quantization bits", where)
     if bits not in (4, 8):
         raise ModelFormatError(f"{where}: GPTQ with {bits} bits is not supported (supported: 4 and 8 bits).")
-    group = int(qc.get("group_size", qc.get("q_group_size", -1)))
+    group = whole(qc.get("group_size", qc.get("q_group_size", -1)), "group_size", where)
     if group == 0 or group < -1:
         raise ModelFormatError(f"{where}: GPTQ group_size {group} is invalid (use -1 or a positive size).")
     return QuantConfig(
@@ -240,12 +249,12 @@ def _awq_config(qc: Dict[str, Any], where: str) -> QuantConfig:
     version = str(qc.get("version", "gemm")).lower()
     if version != "gemm":
         raise ModelFormatError(f"{where}: AWQ version {version!r} is not supported (supported: gemm).")
-    bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    bits = whole(qc.get("bits", qc.get("w_bit", 4)), "quantization bits", where)
     if bits != 4:
         raise ModelFormatError(f"{where}: AWQ with {bits} bits is not supported; only 4-bit AWQ is.")
     if not qc.get("zero_point", True):
         raise ModelFormatError(f"{where}: AWQ without zero points is not supported.")
-    group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    group = whole(qc.get("group_size", qc.get("q_group_size", 128)), "group_size", where)
     if group == 0 or group < -1:
         raise ModelFormatError(f"{where}: AWQ group_size {group} is invalid (use -1 or a positive size).")
     return QuantConfig(bits=4, group_size=group, sym=False, checkpoint_format="awq", method="awq")

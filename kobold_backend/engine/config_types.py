@@ -12,6 +12,14 @@ from typing import Any, Dict, Optional, Tuple
 
 from kobold_backend.errors import ModelFormatError
 
+# Sanity bounds on config.json sizes, far above any released model (Llama 3.1 405B: 126 layers, hidden 16384,
+# 128 heads, vocab 128256), checked before anything is allocated from them.
+CONFIG_BOUNDS = {
+    "num_hidden_layers": 1024, "hidden_size": 1 << 17, "intermediate_size": 1 << 20,
+    "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 4096, "vocab_size": 1 << 23,
+    "max_position_embeddings": 1 << 24,
+}
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -154,6 +162,35 @@ class ConfigData:
         return self.features.ropes[index]
 
 
+def whole(value: Any, key: str, where: str) -> int:
+    """An integer read from a config file (a JSON int, or a float or string holding one); anything else is one
+    sentence naming the key."""
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError
+        number = value if isinstance(value, int) else float(value)
+        if isinstance(number, float) and not number.is_integer():
+            raise ValueError
+        return int(number)
+    except (ValueError, OverflowError):
+        raise ModelFormatError(f"{where}: {key} is {value!r:.60}; a whole number is expected.") from None
+
+
+def number(value: Any, key: str, where: str, positive: bool = False) -> float:
+    """A finite float read from a config file (above 0 with `positive`); anything else is one sentence naming
+    the key."""
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError
+        out = float(value)
+    except (ValueError, OverflowError):
+        out = math.nan
+    if not math.isfinite(out) or positive and out <= 0:
+        raise ModelFormatError(f"{where}: {key} is {value!r:.60}; a finite number{' above 0' if positive else ''} "
+                               "is expected.")
+    return out
+
+
 def rope_settings(raw: Dict[str, Any]) -> Any:
     """The RoPE scaling object: `rope_scaling` (transformers 4 and the Hub's configs) or `rope_parameters`
     (what transformers 5 writes; it holds rope_theta too). Where `rope_parameters` is keyed by layer type
@@ -168,11 +205,11 @@ def _global_rope_parameters(raw: Dict[str, Any]) -> Any:
     return params
 
 
-def rope_theta(raw: Dict[str, Any], default: float = 10000.0) -> float:
+def rope_theta(raw: Dict[str, Any], default: float = 10000.0, where: str = "config.json") -> float:
     params = _global_rope_parameters(raw)
     if raw.get("rope_theta") is None and isinstance(params, dict) and params.get("rope_theta") is not None:
-        return float(params["rope_theta"])
-    return float(raw.get("rope_theta") or default)
+        return number(params["rope_theta"], "rope_parameters.rope_theta", where, positive=True)
+    return number(raw.get("rope_theta") or default, "rope_theta", where, positive=True)
 
 
 def parse_rope_scaling(raw: Dict[str, Any], value: Any, head_dim: int, where: str) -> Optional[RopeScaling]:
@@ -184,16 +221,17 @@ def parse_rope_scaling(raw: Dict[str, Any], value: Any, head_dim: int, where: st
     kind = value.get("rope_type") or value.get("type")
     if kind == "default":
         return None
-    factor = float(value.get("factor", 1.0))
+    factor = number(value.get("factor", 1.0), "rope_scaling.factor", where, positive=True)
     if kind == "linear":
         return RopeScaling("linear", factor=factor)
     if kind == "llama3":
         return RopeScaling(
             "llama3",
             factor=factor,
-            low_freq_factor=float(value.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(value.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(value.get("original_max_position_embeddings", 8192)),
+            low_freq_factor=number(value.get("low_freq_factor", 1.0), "rope_scaling.low_freq_factor", where, True),
+            high_freq_factor=number(value.get("high_freq_factor", 4.0), "rope_scaling.high_freq_factor", where, True),
+            original_max_position_embeddings=whole(value.get("original_max_position_embeddings", 8192),
+                                                   "rope_scaling.original_max_position_embeddings", where),
         )
     if kind in ("longrope", "su"):
         return _longrope(raw, value, head_dim, where)
@@ -214,18 +252,21 @@ def _longrope(raw: Dict[str, Any], value: Dict[str, Any], head_dim: int, where: 
         if not isinstance(f, list) or len(f) != head_dim // 2:
             raise ModelFormatError(f"{where}: rope_scaling {name} must be a list of head_dim / 2 = {head_dim // 2} "
                                    f"numbers, found {f!r:.60}.")
-        factors.append(tuple(float(x) for x in f))
-    max_pos = int(raw.get("max_position_embeddings", 2048))
+        factors.append(tuple(number(x, f"rope_scaling.{name}", where, positive=True) for x in f))
+    max_pos = whole(raw.get("max_position_embeddings", 2048), "max_position_embeddings", where)
     # transformers 5: the top-level original_max_position_embeddings (Phi-3) wins; the scaling factor is the
     # object's `factor` when given, else max_position_embeddings / original
-    original = int(raw.get("original_max_position_embeddings") or value.get("original_max_position_embeddings")
-                   or max_pos)
-    factor = float(value.get("factor") or max_pos / original)
+    original = whole(raw.get("original_max_position_embeddings") or value.get("original_max_position_embeddings")
+                     or max_pos, "original_max_position_embeddings", where)
+    if original < 2:
+        raise ModelFormatError(f"{where}: original_max_position_embeddings {original} is below 2.")
+    factor = number(value.get("factor") or max_pos / original, "rope_scaling.factor", where, positive=True)
     attention = value.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    attention = number(attention, "rope_scaling.attention_factor", where, positive=True)
     return RopeScaling("longrope", factor=factor, original_max_position_embeddings=original,
-                       short_factor=factors[0], long_factor=factors[1], attention_factor=float(attention))
+                       short_factor=factors[0], long_factor=factors[1], attention_factor=attention)
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -126,9 +126,18 @@ def read_model(path: Path) -> SentencePieceModel:
 def bpe_merges(vocab: Dict[str, int]) -> List[Tuple[str, str]]:
     """Every (left, right) split of a piece into two pieces, in the order BPE applies them: by the merged piece's
     id (sentencepiece BPE ids follow merge order), then the shorter left part first."""
+    # Only cuts whose two lengths are lengths of pieces are tried, so the work is bounded by the file's size: a
+    # single very long piece is not split at every character.
+    present = {len(piece) for piece in vocab}
+    lengths = sorted(present)
     ranked = []
     for piece, piece_id in vocab.items():
-        for cut in range(1, len(piece)):
+        n = len(piece)
+        for cut in lengths:
+            if cut >= n:
+                break
+            if n - cut not in present:
+                continue
             left, right = piece[:cut], piece[cut:]
             if left in vocab and right in vocab:
                 ranked.append((piece_id, cut, left, right))

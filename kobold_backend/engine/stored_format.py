@@ -9,15 +9,13 @@ stored (float16), where the loaded figure counts them in the compute dtype.
 
 from __future__ import annotations
 
-import json
-import struct
 from collections import Counter
 from pathlib import Path
 from typing import Dict, Tuple
 
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.weight_format import WeightFormat
-from kobold_backend.engine.weights import safetensors_files
+from kobold_backend.engine.weights import safetensors_files, safetensors_header
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "F8_E4M3": 1, "F8_E5M2": 1}
@@ -58,12 +56,7 @@ def _gguf_format(path: Path) -> WeightFormat:
 
 
 def _headers(file: Path) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
-    with open(file, "rb") as fh:
-        (size,) = struct.unpack("<Q", fh.read(8))
-        if size > 100_000_000:
-            raise ValueError(f"{file.name}: implausible safetensors header size")
-        header = json.loads(fh.read(size))
-    return {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"}
+    return {k: (str(v["dtype"]), tuple(v["shape"])) for k, v in safetensors_header(file).items()}  # type: ignore[arg-type]
 
 
 def _folder_format(folder: Path) -> WeightFormat:

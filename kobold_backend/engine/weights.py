@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -36,6 +37,55 @@ def safetensors_files(folder: Path) -> List[Path]:
             )
         raise ModelFormatError(f"{folder} has no *.safetensors weight files.")
     return files
+
+
+# safetensors' own limit on the JSON header (the Rust crate refuses larger ones).
+MAX_HEADER_BYTES = 100_000_000
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def safetensors_header(path: Path) -> Dict[str, Dict[str, object]]:
+    """Tensor name -> {"dtype", "shape", "data_offsets"} from a safetensors file's header (8-byte length + JSON),
+    no tensor data read; every entry's types and its byte range inside the file checked, else one sentence naming
+    the file and the field."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ModelFormatError(f"{path.name}: is not a safetensors file (shorter than its 8-byte header length).")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(MAX_HEADER_BYTES, size - 8):
+            raise ModelFormatError(f"{path.name}: the header length {length} is larger than the file or "
+                                   f"{MAX_HEADER_BYTES} bytes.")
+        try:
+            header = json.loads(fh.read(length))
+        except (ValueError, RecursionError):
+            raise ModelFormatError(f"{path.name}: the header is not JSON text.") from None
+    if not isinstance(header, dict):
+        raise ModelFormatError(f"{path.name}: the header is not a JSON object.")
+    data = size - 8 - length
+    out: Dict[str, Dict[str, object]] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(shape, list)
+                and all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(offsets, list)
+                and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data):
+            raise ModelFormatError(f"{path.name}: tensor {name} has no valid dtype, shape and data_offsets inside "
+                                   f"the file's {data} data bytes.")
+        count = 1
+        for d in shape:
+            count *= d
+        width = _DTYPE_BYTES.get(entry["dtype"])
+        if width is not None and count * width != offsets[1] - offsets[0]:
+            raise ModelFormatError(f"{path.name}: tensor {name} has shape {shape} of {entry['dtype']} "
+                                   f"({count * width} bytes) but data_offsets span {offsets[1] - offsets[0]} bytes.")
+        out[name] = entry
+    return out
 
 
 class WeightReader:

@@ -55,16 +55,10 @@ def resolve_model_path(model_name: Optional[str], model_path: Optional[str]) -> 
 
 
 def _safetensors_names(path: Path) -> List[str]:
-    """Tensor names from a safetensors header (8-byte length + JSON), without reading any tensor data."""
-    import json
-    import struct
+    """Tensor names from a safetensors header, without reading any tensor data."""
+    from kobold_backend.engine.weights import safetensors_header
 
-    with open(path, "rb") as fh:
-        (size,) = struct.unpack("<Q", fh.read(8))
-        if size > 100_000_000:
-            raise ValueError("implausible safetensors header size")
-        header = json.loads(fh.read(size))
-    return [name for name in header if name != "__metadata__"]
+    return list(safetensors_header(path))
 
 
 def check_model_folder(path: Path) -> Optional[str]:

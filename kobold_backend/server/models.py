@@ -116,6 +116,8 @@ def load_job(holder: Any, path: Optional[Path], parameters: Optional[Dict[str, A
     values keyed by parameter id; None keeps the server's own load settings."""
 
     def run(job: Job) -> None:
+        from kobold_backend.engine.config import ModelConfig
+
         target = path
         if target is None:
             from kobold_backend.demo import ensure_demo_model
@@ -123,6 +125,8 @@ def load_job(holder: Any, path: Optional[Path], parameters: Optional[Dict[str, A
             target = Path(ensure_demo_model())
             holder.demo_path = target.resolve()
         try:
+            if path is not None:  # headers first: a malformed file is refused before the current model is released
+                ModelConfig.from_dir(target)
             kwargs = load_kwargs(parameters, target) if parameters is not None else {}
             check_context(kwargs, target)
             holder.load(target, **kwargs)

@@ -32,13 +32,17 @@ def is_gguf(path: Path) -> bool:
 def open_gguf(path: Path, with_tokenizer: bool = True) -> Tuple[ModelConfig, Optional[Tokenizer], GGUFWeights]:
     """Read a GGUF file's metadata (tensor data stays memory-mapped until the loader asks for it)."""
     gguf = GGUFFile(path)
-    raw = hf_config(gguf.metadata, gguf.names(), path.name, gguf.floats)
-    config = ModelConfig.from_dict(raw)
-    tokenizer = None
-    if with_tokenizer:
-        with tempfile.TemporaryDirectory(prefix="kobold-gguf-tokenizer-") as tmp:
-            for name, data in tokenizer_files(gguf.metadata, path.name).items():
-                (Path(tmp) / name).write_bytes(data)
-            tokenizer = load_tokenizer(tmp, config.bos_token_id, config.eos_token_ids)
-    arch = architecture(gguf.architecture, path.name, int(raw.get("num_local_experts") or 0))
-    return config, tokenizer, GGUFWeights(gguf, arch, config.num_heads, config.num_kv_heads)
+    try:
+        raw = hf_config(gguf.metadata, gguf.names(), path.name, gguf.floats)
+        config = ModelConfig.from_dict(raw)
+        tokenizer = None
+        if with_tokenizer:
+            with tempfile.TemporaryDirectory(prefix="kobold-gguf-tokenizer-") as tmp:
+                for name, data in tokenizer_files(gguf.metadata, path.name).items():
+                    (Path(tmp) / name).write_bytes(data)
+                tokenizer = load_tokenizer(tmp, config.bos_token_id, config.eos_token_ids)
+        arch = architecture(gguf.architecture, path.name, int(raw.get("num_local_experts") or 0))
+        return config, tokenizer, GGUFWeights(gguf, arch, config.num_heads, config.num_kv_heads)
+    except BaseException:
+        gguf.close()  # a refused file's map is released now, not when the traceback goes
+        raise

@@ -313,9 +313,13 @@ def _rope_scaling(key: Any, where: str) -> Optional[Dict[str, Any]]:
     factor = key("rope.scaling.factor")
     if kind in (None, "none") or (kind is None and not factor):
         return None
-    if kind == "linear":
+    if kind == "linear" and factor is not None:
         return {"rope_type": "linear", "factor": float(factor)}
-    if kind == "yarn":
+    if kind == "linear":
+        raise ModelFormatError(f"{where}: GGUF RoPE scaling is linear but rope.scaling.factor is missing.")
+    if kind == "yarn" and factor is not None:
         return {"rope_type": "yarn", "factor": float(factor),
                 "original_max_position_embeddings": int(key("rope.scaling.original_context_length") or 4096)}
+    if kind == "yarn":
+        raise ModelFormatError(f"{where}: GGUF RoPE scaling is yarn but rope.scaling.factor is missing.")
     raise ModelFormatError(f"{where}: GGUF RoPE scaling {kind!r} is not supported (supported: linear, yarn).")

@@ -1,4 +1,5 @@
-"""Opens a GGUF file (memory-mapped through the `gguf` package's reader): metadata values and tensor records."""
+"""Opens a GGUF file (memory-mapped, read by the bounds-checked parser in reader.py): metadata values with the
+types the engine relies on checked (metadata.py), and tensor records."""
 
 from __future__ import annotations
 
@@ -7,30 +8,36 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
+from kobold_backend.engine.gguf.metadata import check_metadata
+from kobold_backend.engine.gguf.reader import TensorRecord, ggml_type_sizes, open_mapped, tensor_view
 from kobold_backend.errors import ModelFormatError
 from kobold_backend.ops.ggml import GGML_TYPES
+
+# The most values a float table read whole (`floats`: RoPE factors, head_dim / 2 of them) may hold.
+MAX_TABLE = 1 << 16
 
 
 class GGUFFile:
     """Metadata as plain Python values and tensors by GGUF name; data stays in the memory map until read."""
 
     def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader
-
         self.path = path
+        self._map, contents = open_mapped(path)
+        self._contents = contents
+        self.metadata: Dict[str, Any] = contents.metadata
+        self._tensors: Dict[str, TensorRecord] = contents.tensors
         try:
-            self._reader = GGUFReader(str(path), "r")
-        except (ValueError, OSError, IndexError, KeyError) as exc:
-            raise ModelFormatError(f"{path.name} is not a readable GGUF file ({exc}).") from None
-        self.metadata: Dict[str, Any] = {}
-        for name, field in self._reader.fields.items():
-            if not name.startswith("GGUF."):
-                self.metadata[name] = _field_value(field)
-        self._tensors = {t.name: t for t in self._reader.tensors}
+            check_metadata(self.metadata, path.name)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
-        self._tensors.clear()
-        self._reader = None  # type: ignore[assignment]  # drops the memory map
+        self._tensors = {}
+        try:
+            self._map.close()
+        except BufferError:  # a caller still holds a view of the data: the map goes when that view does
+            pass
 
     @property
     def architecture(self) -> str:
@@ -46,23 +53,22 @@ class GGUFFile:
         return name in self._tensors
 
     def type_name(self, name: str) -> str:
-        tid = int(self._tensors[name].tensor_type)
+        tid = self._tensors[name].type_id
         if tid not in GGML_TYPES:
             supported = ", ".join(n for n, _, _ in GGML_TYPES.values())
             raise ModelFormatError(
-                f"Tensor {name} in {self.path.name} has GGML type {self._tensors[name].tensor_type.name}, which "
+                f"Tensor {name} in {self.path.name} has GGML type {ggml_type_sizes()[tid][0]}, which "
                 f"this engine does not read (supported: {supported})."
             )
         return GGML_TYPES[tid][0]
 
     def shape(self, name: str) -> Tuple[int, ...]:
         """The tensor's shape in PyTorch order (GGUF stores the innermost dimension first)."""
-        return tuple(int(d) for d in reversed(self._tensors[name].shape.tolist()))
+        return tuple(reversed(self._tensors[name].dims))
 
     def raw(self, name: str) -> np.ndarray:
         """The stored data: [rows, row_bytes] uint8 for every type (a view of the memory map)."""
-        rows = int(np.prod(self.shape(name)[:-1]))  # 1 for a 1-D tensor (the product of no dimensions)
-        return self._tensors[name].data.view(np.uint8).reshape(rows, -1)
+        return tensor_view(self._map, self._contents, self._tensors[name])
 
     def floats(self, name: str) -> List[float]:
         """A small float tensor's values (RoPE factor tables), as float32 whatever the stored float type."""
@@ -71,25 +77,11 @@ class GGUFFile:
         kind = self.type_name(name)
         if kind not in ("F32", "F16", "BF16"):
             raise ModelFormatError(f"Tensor {name} in {self.path.name} is {kind}; a float type is expected.")
+        count = self.shape(name)[-1] if len(self.shape(name)) == 1 else MAX_TABLE + 1
+        if count > MAX_TABLE:
+            raise ModelFormatError(f"Tensor {name} in {self.path.name} has shape {list(self.shape(name))}; a table "
+                                   f"of at most {MAX_TABLE} values is expected.")
         raw = self.raw(name).reshape(-1)
         if kind == "BF16":
             return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).tolist()
         return raw.view(np.float32 if kind == "F32" else np.float16).astype(np.float32).tolist()
-
-
-
-def _field_value(field: Any) -> Any:
-    from gguf import GGUFValueType
-
-    def one(part: np.ndarray, kind: Any) -> Any:
-        if kind == GGUFValueType.STRING:
-            return bytes(part).decode("utf-8", errors="replace")
-        value = part.tolist()
-        return value[0] if len(value) == 1 else value
-
-    kinds = list(field.types)
-    if not kinds:
-        return None
-    if kinds[0] == GGUFValueType.ARRAY:
-        return [one(field.parts[i], kinds[-1]) for i in field.data]
-    return one(field.parts[field.data[0]], kinds[0])

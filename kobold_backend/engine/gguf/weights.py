@@ -128,5 +128,9 @@ class GGUFWeights:
         rows = torch.from_numpy(raw.copy())
         stem = name.rsplit(".", 1)[0].split(".", 3)[-1] if name.startswith("model.layers.") else ""
         if self._arch.permuted_qk and stem in self._heads:
-            rows = unpermute_rows(rows, self._heads[stem])
+            heads = self._heads[stem]
+            if rows.shape[0] % (2 * heads):
+                raise ModelFormatError(f"Tensor {gname} in {self.folder.name} has {rows.shape[0]} rows, not an even "
+                                       f"number per head for its {heads} heads.")
+            rows = unpermute_rows(rows, heads)
         return rows
