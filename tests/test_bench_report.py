@@ -54,7 +54,12 @@ def test_merge_writes_one_file_that_renders_the_same(tmp_path: Path, capsys: pyt
     merged = tmp_path / "formats.json"
     assert main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--merge", str(merged)]) == 0
     first = capsys.readouterr().out
-    assert [run["label"] for run in json.loads(merged.read_text())["runs"]] == ["a", "gptq-7b"]
+    data = json.loads(merged.read_text())
+    assert [run["label"] for run in data["runs"]] == ["a", "gptq-7b"]
+    for run in data["runs"]:  # every run's ratios also under the merged file's own `ratios`, by reference and variant
+        for reference, tree in run.get("ratios", {}).items():
+            for variant, figures in tree.items():
+                assert data["ratios"][reference][variant] == figures
     assert main([str(merged)]) == 0
     assert capsys.readouterr().out == first
 

@@ -76,6 +76,20 @@ def provenance(runs: Sequence[Dict[str, Any]]) -> str:
     return "\n".join(f"- {line}" for line in seen)
 
 
+def merged_ratios(runs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """Every run's `ratios` in one tree (reference -> variant -> figure -> size), as the issue's keys name them, e.g.
+    `ratios.llamacpp.q4_k_m.decode_tokens_per_s.4000` or `ratios.llamacpp.q8.decode_tokens_per_s.16000`; a run's
+    variant is its file type or cache dtype, so runs of one merged file do not overwrite each other's."""
+    out: Dict[str, Any] = {}
+    for run in runs:
+        for reference, tree in run.get("ratios", {}).items():
+            target = out.setdefault(reference, {})
+            for variant, figures in tree.items():
+                key = variant if variant not in target else f"{variant}:{run['label']}"
+                target[key] = figures
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kobold_backend.bench.report",
                                      description="Print docs/performance.md's table from bench JSON files.")
@@ -91,7 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, KeyError, TypeError) as exc:
         parser.error(f"not bench JSON ({type(exc).__name__}: {exc})")
     if args.merge:
-        args.merge.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+        args.merge.write_text(json.dumps({"ratios": merged_ratios(runs), "runs": runs}, indent=1) + "\n")
     sys.stdout.write(table(runs) + "\n\n" + provenance(runs) + "\n")
     return 0
 
