@@ -18,12 +18,14 @@ GGUF_RUN = {
     "llamacpp": {"build_commit": "0c1e570", "build": {"commit": "0c1e57098bba", "cmake_flags": ["-DGGML_CUDA=ON"]},
                  "prompt_tokens_per_s": {"512": 10000.0, "2048": 9600.0},
                  "decode_tokens_per_s": {"128": 300.0, "4000": 250.0}},
+    "ratios": {"llamacpp": {"q4_k_m": {"decode_tokens_per_s": {"128": 200.0 / 300.0, "4000": 0.6}}}},
 }
 GPTQ_RUN = {
     "environment": {"gpu": "NVIDIA H200", "torch": "2.11.0", "kobold_backend": "0.9"},
     "cache_dtype": "q8", "label": "gptq-7b",
     "kobold_backend": {"decode_tokens_per_s": {"128": 260.0}},
     "exllamav2": {"version": "0.3.2", "decode_tokens_per_s": {"128": 200.0}},
+    "ratios": {"exllamav2": {"decode_tokens_per_s": {"128": 1.3}}},
 }
 
 
@@ -56,6 +58,8 @@ def test_merge_writes_one_file_that_renders_the_same(tmp_path: Path, capsys: pyt
     first = capsys.readouterr().out
     data = json.loads(merged.read_text())
     assert [run["label"] for run in data["runs"]] == ["a", "gptq-7b"]
+    assert data["ratios"]["llamacpp"]["q4_k_m"]["decode_tokens_per_s"]["4000"] == 0.6
+    assert data["ratios"]["exllamav2"]["decode_tokens_per_s"]["128"] == 1.3
     for run in data["runs"]:  # every run's ratios also under the merged file's own `ratios`, by reference and variant
         for reference, tree in run.get("ratios", {}).items():
             for variant, figures in tree.items():
