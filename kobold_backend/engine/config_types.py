@@ -15,8 +15,9 @@ from kobold_backend.errors import ModelFormatError
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE scaling: "linear" (positions divided by factor), "llama3" (frequency-dependent) or "longrope"
-    (Phi-3: per-frequency short/long factors; `factor` is max_position_embeddings / original)."""
+    """RoPE scaling: "linear" (positions divided by factor), "llama3" (frequency-dependent), "longrope"
+    (Phi-3: per-frequency short/long factors; `factor` is max_position_embeddings / original) or "proportional"
+    (Gemma 4: only the first `partial_rotary_factor` of the frequencies rotate, all divided by `factor`)."""
 
     rope_type: str
     factor: float = 1.0
@@ -26,6 +27,7 @@ class RopeScaling:
     short_factor: Tuple[float, ...] = ()
     long_factor: Tuple[float, ...] = ()
     attention_factor: float = 1.0
+    partial_rotary_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,11 @@ EXL2_QUANT = QuantConfig(bits=0, group_size=-1, sym=True, checkpoint_format="exl
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """One RoPE table: its base and its scaling (None: plain)."""
+    """One RoPE table: its base, its scaling (None: plain) and the head size it rotates (0: the config's)."""
 
     theta: float
     scaling: Optional[RopeScaling] = None
+    head_dim: int = 0
 
     @property
     def attention_factor(self) -> float:
@@ -71,6 +74,10 @@ class Features:
     - `attn_softcap` / `final_softcap`: `c * tanh(x / c)` on attention scores / final logits (Gemma 2).
     - `windows`: per layer, the sliding-window length (None: full attention).
     - `ropes`: per layer, the RoPE table it uses (Gemma 3 local/global layers differ).
+    - `head_dims` / `kv_heads` / `intermediate_sizes`: per layer, where layers differ (Gemma 4's global layers have
+      wider heads and fewer KV heads, its KV-sharing layers a double-wide MLP); empty: the config's sizes.
+    - `kv_sources`: per layer, None or the earlier layer whose cache it attends over; such a layer computes no
+      keys or values of its own (Gemma 4's KV sharing).
     """
 
     biases: Tuple[str, ...] = ()
@@ -85,6 +92,10 @@ class Features:
     final_softcap: Optional[float] = None
     windows: Tuple[Optional[int], ...] = ()
     ropes: Tuple[RopeSpec, ...] = ()
+    head_dims: Tuple[int, ...] = ()
+    kv_heads: Tuple[int, ...] = ()
+    intermediate_sizes: Tuple[int, ...] = ()
+    kv_sources: Tuple[Optional[int], ...] = ()
 
 
 @dataclass
@@ -124,6 +135,19 @@ class ConfigData:
 
     def layer_rope(self, index: int) -> RopeSpec:
         return self.features.ropes[index]
+
+    def layer_head_dim(self, index: int) -> int:
+        return self.features.head_dims[index] if self.features.head_dims else self.head_dim
+
+    def layer_kv_heads(self, index: int) -> int:
+        return self.features.kv_heads[index] if self.features.kv_heads else self.num_kv_heads
+
+    def layer_intermediate(self, index: int) -> int:
+        f = self.features
+        return f.intermediate_sizes[index] if f.intermediate_sizes else self.intermediate_size
+
+    def layer_kv_source(self, index: int) -> Optional[int]:
+        return self.features.kv_sources[index] if self.features.kv_sources else None
 
 
 def rope_settings(raw: Dict[str, Any]) -> Any:
@@ -169,8 +193,13 @@ def parse_rope_scaling(raw: Dict[str, Any], value: Any, head_dim: int, where: st
         )
     if kind in ("longrope", "su"):
         return _longrope(raw, value, head_dim, where)
+    if kind == "proportional":
+        partial = float(value.get("partial_rotary_factor", 1.0))
+        if not 0.0 <= partial <= 1.0:
+            raise ModelFormatError(f"{where}: partial_rotary_factor must lie in [0, 1], found {partial!r}.")
+        return RopeScaling("proportional", factor=factor, partial_rotary_factor=partial)
     raise ModelFormatError(
-        f"{where}: rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope; "
+        f"{where}: rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope, proportional; "
         "NTK alpha is a load option)."
     )
 

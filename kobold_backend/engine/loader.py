@@ -142,7 +142,8 @@ def load_model(
         if seq_len < 1:
             raise ValueError(f"max_seq_len must be at least 1, not {seq_len}")
         check_against_headers(config, reader)
-        check_cache_dtype(cache_dtype, config.head_dim)
+        for head_dim in sorted({config.layer_head_dim(i) for i in range(config.num_layers)}):
+            check_cache_dtype(cache_dtype, head_dim)
         per_layer = [resolve_device(d) for d in layer_devices] if layer_devices else [main] * config.num_layers
         check_cache_memory(config, per_layer, compute_dtype, seq_len, cache_dtype)
         model = _build(reader, config, main, per_layer, compute_dtype, seq_len, embed_on_cpu,
@@ -230,10 +231,12 @@ def check_cache_memory(config: ModelConfig, per_layer: Sequence[torch.device], d
                        seq_len: int, cache_dtype: str = "fp16") -> None:
     """Refuse a context whose KV cache alone is larger than the free memory of a device it would go on."""
     need: Dict[torch.device, int] = {}
-    for dev in per_layer:
+    for index, dev in enumerate(per_layer):
+        if config.layer_kv_source(index) is not None:
+            continue  # it reads an earlier layer's cache
         size = torch.tensor([], dtype=_dtype_for(dev, dtype)).element_size()
-        need[dev] = need.get(dev, 0) + seq_len * cache_bytes_per_token(cache_dtype, config.num_kv_heads,
-                                                                       config.head_dim, size)
+        need[dev] = need.get(dev, 0) + seq_len * cache_bytes_per_token(cache_dtype, config.layer_kv_heads(index),
+                                                                       config.layer_head_dim(index), size)
     for dev, nbytes in need.items():
         free = _available_bytes(dev)
         if free is not None and nbytes > free:
@@ -317,7 +320,7 @@ def _load_layer(ctx: LayerLoader, index: int) -> Layer:
         o_proj=weights["o_proj"], gate_proj=weights.get("gate_proj"), up_proj=weights.get("up_proj"),
         down_proj=weights.get("down_proj"), qkv_proj=weights.get("qkv_proj"),
         gate_up_proj=weights.get("gate_up_proj"), device=ctx.device, out_features=out_features,
-        biases=biases, mlp=arch.build_mlp(ctx, config, index), **norms,
+        biases=biases, mlp=arch.build_mlp(ctx, config, index), **norms, **arch.layer_extras(ctx, config, index),
     )
     fold_down_permutation(layer)
     layer.fuse()
@@ -351,6 +354,7 @@ def _build(
 
     embed_device = torch.device("cpu") if embed_on_cpu else main
     embed = top(embed_device, _dtype_for(embed_device, dtype)).dense("embed_tokens.weight", (config.vocab_size, h))
+    per_layer_embedding = config.description.per_layer_embedding(top(embed_device, embed.dtype), config)
     tick("embeddings")
     layers: List[Layer] = []
     for i in range(config.num_layers):
@@ -377,4 +381,4 @@ def _build(
             tables[key] = cos_sin_tables(config, seq_len, key[0], key[1], rope_alpha, compress_pos_emb, key[2])
         cos.append(tables[key][0])
         sin.append(tables[key][1])
-    return Model(config, embed, layers, norm, lm_head, cos, sin, head_dt, seq_len, cache_dtype)
+    return Model(config, embed, layers, norm, lm_head, cos, sin, head_dt, seq_len, cache_dtype, per_layer_embedding)

@@ -1,8 +1,9 @@
 """The decoder-only transformer: Model.forward(ids, cache) -> logits, reading top to bottom.
 
-One generic layer serves every architecture: what differs between families (biases, q/k norm, extra norms,
-activation, scales, soft-capping, sliding windows, RoPE tables per layer, a routed MLP) is read from
-`config.features` and from the tensors the loader placed in each `Layer`, as described in engine/architectures.
+One generic layer serves every architecture: what differs between families (biases, q/k/v norms, extra norms,
+activation, scales, soft-capping, sliding windows, RoPE tables and sizes per layer, layers reading an earlier
+layer's KV cache, a routed MLP, per-layer embeddings) is read from `config.features` and from the tensors the
+loader placed in each `Layer`, as described in engine/architectures.
 Each layer calls `kobold_backend.ops`, which runs the native kernels where they are loaded.
 A `passthrough` (ForwardHooks, see engine/passthrough/base.py) may observe or change the residual stream
 after each layer and add low-rank deltas to the projections.
@@ -22,7 +23,7 @@ from kobold_backend.engine.fuse import concat_outputs
 from kobold_backend.ops.exl2_weight import EXL2Weight
 from kobold_backend.ops.ggml import GGMLWeight
 from kobold_backend.ops.gptq_weight import GPTQWeight
-from kobold_backend.ops.reference import rotate_half
+from kobold_backend.ops.reference import rotate_half, row_positions
 
 if TYPE_CHECKING:
     from kobold_backend.engine.passthrough.base import ForwardHooks
@@ -51,6 +52,20 @@ def project(x: torch.Tensor, w: Weight, bias: Optional[torch.Tensor] = None) -> 
     return ops.linear(x, w, bias)
 
 
+def rope_rows(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: Union[int, torch.Tensor]) -> torch.Tensor:
+    """RoPE on q [B, T, H, D] at positions pos..pos+T-1 (`pos` an int or a device tensor), writing no cache: the
+    queries of a layer that attends over an earlier layer's keys."""
+    t = q.shape[1]
+    if isinstance(pos, torch.Tensor):
+        at = row_positions(pos, t)
+        c, s = cos.index_select(0, at), sin.index_select(0, at)
+    else:
+        c, s = cos[pos : pos + t], sin[pos : pos + t]
+    c, s = c.view(1, t, 1, -1).float(), s.view(1, t, 1, -1).float()
+    qf = q.float()
+    return (qf * c + rotate_half(qf) * s).to(q.dtype)
+
+
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
@@ -73,6 +88,9 @@ class Layer:
     `q_norm`/`k_norm` (per-head RMSNorm weights [head_dim]), `attn_out_norm`/`mlp_out_norm` (norms on the attention
     and MLP outputs before the residual add), `biases` (dense projections' biases by projection name; GPTQ layers
     keep theirs), and `mlp`, a routed MLP object called as `mlp(x, index, passthrough)` instead of gate/up/down.
+    Gemma 4 adds `v_norm` (a weightless RMSNorm over each value head, stored as ones), `per_layer_gate` (called as
+    `per_layer_gate(h, per_layer_input)` after the MLP's residual add, engine/per_layer_input.py) and `out_scale`
+    (the layer's output is multiplied by it). A layer without v_proj (and no fused qkv) uses k's projection as v.
     `mlp_perm` is set when an act-order down_proj's input permutation was folded into gate/up's outputs
     (engine/mlp_fold.py): the intermediate is stored in that order, feature j being the checkpoint's mlp_perm[j].
     """
@@ -97,10 +115,13 @@ class Layer:
     biases: Dict[str, torch.Tensor] = field(default_factory=dict)
     mlp: Optional[Any] = None
     mlp_perm: Optional[torch.Tensor] = None
+    v_norm: Optional[torch.Tensor] = None
+    per_layer_gate: Optional[Any] = None
+    out_scale: Optional[torch.Tensor] = None
 
     PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "qkv_proj", "gate_up_proj")
-    NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
+    NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "v_norm", "out_scale")
 
     def weight(self, name: str) -> Weight:
         """The weight of one projection (a copy of its columns of the fused weight when it was fused), as
@@ -157,6 +178,8 @@ class Layer:
             yield self.mlp_perm
         if self.mlp is not None:
             yield from self.mlp.tensors()
+        if self.per_layer_gate is not None:
+            yield from self.per_layer_gate.tensors()
 
 
 class Model:
@@ -174,8 +197,11 @@ class Model:
         dtype: torch.dtype,
         max_seq_len: int,
         cache_dtype: str = "fp16",
+        per_layer_embedding: Optional[Any] = None,
     ) -> None:
         self.config = config
+        # Gemma 4's per-layer inputs: `per_layer_embedding.inputs(ids, h)` -> [B, T, layers, D] (per_layer_input.py)
+        self.per_layer_embedding = per_layer_embedding
         self.cache_dtype = cache_dtype  # what new_cache allocates (engine/cache.py CACHE_DTYPES)
         self.features = config.features
         self.embed_tokens = embed_tokens
@@ -189,6 +215,11 @@ class Model:
         self.device = norm.device
         self.scale = self.features.attn_scale or config.head_dim ** -0.5
         self.windows = self.features.windows
+        n = config.num_layers
+        self.head_dims = [config.layer_head_dim(i) for i in range(n)]
+        self.kv_heads = [config.layer_kv_heads(i) for i in range(n)]
+        self.intermediates = [config.layer_intermediate(i) for i in range(n)]
+        self.kv_sources = [config.layer_kv_source(i) for i in range(n)]
         self.rope_factors = [rope.attention_factor for rope in self.features.ropes]
         self.activation = ACTIVATIONS[self.features.activation]
         scale = self.features.embed_scale
@@ -205,12 +236,13 @@ class Model:
         return KVCache(
             num_layers=len(self.layers),
             batch_size=batch_size,
-            num_kv_heads=self.config.num_kv_heads,
+            num_kv_heads=self.kv_heads,
             max_seq_len=n,
-            head_dim=self.config.head_dim,
+            head_dim=self.head_dims,
             dtypes=[layer.input_norm.dtype for layer in self.layers],
             devices=[layer.device for layer in self.layers],
             cache_dtype=cache_dtype or self.cache_dtype,
+            sources=self.kv_sources,
         )
 
     @torch.inference_mode()
@@ -228,9 +260,10 @@ class Model:
         t = ids.shape[1]
         pos = cache.reserve(t)
         h = self._embed(ids)
+        extra = self._per_layer_inputs(ids, h)
         for index, layer in enumerate(self.layers):
             h = h.to(device=layer.device, dtype=layer.input_norm.dtype)
-            h = self._layer(index, layer, h, cache, pos, passthrough)
+            h = self._layer(index, layer, h, cache, pos, passthrough, per_layer=extra)
             if passthrough is not None:
                 h = passthrough.after_layer(index, h, pos)
         cache.seq_len = pos + t
@@ -250,6 +283,8 @@ class Model:
             raise ValueError(f"cannot drop {drop} positions at {start} from a cache of {end}")
         moved = end - start - drop
         for index in range(len(self.layers)):
+            if self.kv_sources[index] is not None:
+                continue  # its buffers are its source layer's, moved once
             k, v = cache.k[index], cache.v[index]
             # the tables carry the RoPE attention factor (LongRoPE); a pure rotation must not apply it again
             cos = self.cos[index][drop].float() / self.rope_factors[index]
@@ -267,10 +302,16 @@ class Model:
         `length`; float32 logits [B, T, V]. No host-side state changes, so a CUDA graph can capture it. The caller
         advances `cache.seq_len`."""
         h = self._embed(ids)
+        extra = self._per_layer_inputs(ids, h)
         for index, layer in enumerate(self.layers):
             h = h.to(device=layer.device, dtype=layer.input_norm.dtype)
-            h = self._layer(index, layer, h, cache, 0, None, pos, length)
+            h = self._layer(index, layer, h, cache, 0, None, pos, length, extra)
         return self._logits(h)
+
+    def _per_layer_inputs(self, ids: torch.Tensor, h: torch.Tensor) -> Optional[torch.Tensor]:
+        if self.per_layer_embedding is None:
+            return None
+        return self.per_layer_embedding.inputs(ids.to(h.device), h)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens[ids.to(self.embed_tokens.device)]
@@ -292,43 +333,58 @@ class Model:
         passthrough: Optional[ForwardHooks],
         pos_t: Optional[torch.Tensor] = None,
         length: int = 0,
+        per_layer: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         cfg = self.config
         eps = cfg.rms_norm_eps
         b, t, _ = h.shape
         x = ops.rms_norm(h, layer.input_norm, eps)
-        qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = self._projs(index, layer, "qkv_proj", QKV, (qd, kvd, kvd), x, passthrough)
-        q = q.view(b, t, cfg.num_heads, cfg.head_dim)
-        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        if layer.q_norm is not None and layer.k_norm is not None:
+        hd, kvh, shared = self.head_dims[index], self.kv_heads[index], self.kv_sources[index] is not None
+        qd, kvd = cfg.num_heads * hd, kvh * hd
+        # a KV-sharing layer projects only q; a layer without v_proj reuses k's projection as v
+        names = QKV[:1] if shared else QKV if layer.v_proj is not None or layer.qkv_proj is not None else QKV[:2]
+        outs = self._projs(index, layer, "qkv_proj", names, (qd, kvd, kvd), x, passthrough)
+        q = outs[0].view(b, t, cfg.num_heads, hd)
+        if layer.q_norm is not None:
             q = ops.rms_norm(q, layer.q_norm, eps)
-            k = ops.rms_norm(k, layer.k_norm, eps)
         k_cache, v_cache = cache.k[index], cache.v[index]
+        cos, sin = self.cos[index], self.sin[index]
+        if shared:
+            q = rope_rows(q, cos, sin, pos if pos_t is None else pos_t)
+        else:
+            k = outs[1].view(b, t, kvh, hd)
+            v = outs[-1].view(b, t, kvh, hd)
+            if layer.k_norm is not None:
+                k = ops.rms_norm(k, layer.k_norm, eps)
+            if layer.v_norm is not None:
+                v = ops.rms_norm(v, layer.v_norm, eps)
+            if pos_t is not None:
+                q = ops.rope_cache_write_at(q, k, v, cos, sin, pos_t, k_cache, v_cache)
+            else:
+                q = ops.rope_cache_write(q, k, v, cos, sin, pos, k_cache, v_cache)
         window, cap = self.windows[index], self.features.attn_softcap
         if pos_t is not None:
-            q = ops.rope_cache_write_at(q, k, v, self.cos[index], self.sin[index], pos_t, k_cache, v_cache)
             a = ops.decode_attention_rows(q, k_cache, v_cache, pos_t, length, self.scale, window=window, softcap=cap)
         elif t == 1:
-            q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
             a = ops.decode_attention(q[:, 0], k_cache, v_cache, pos + 1, self.scale, window=window, softcap=cap)
         else:
-            q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
             a = ops.attention(q, k_cache, v_cache, pos, self.scale, window=window, softcap=cap)
-        a = self._proj(index, layer, "o_proj", a.reshape(b, t, cfg.num_heads * cfg.head_dim), passthrough)
+        a = self._proj(index, layer, "o_proj", a.reshape(b, t, qd), passthrough)
         if layer.attn_out_norm is not None:
             a = ops.rms_norm(a, layer.attn_out_norm, eps)
         x, h = ops.add_rms_norm(a, h, layer.post_norm, eps)
         if layer.mlp is not None:
             out = layer.mlp(x, index, passthrough)
         else:
-            gate, up = self._projs(index, layer, "gate_up_proj", GATE_UP,
-                                   (cfg.intermediate_size, cfg.intermediate_size), x, passthrough)
+            inter = self.intermediates[index]
+            gate, up = self._projs(index, layer, "gate_up_proj", GATE_UP, (inter, inter), x, passthrough)
             out = self._proj(index, layer, "down_proj", self.activation(gate, up), passthrough)
         if layer.mlp_out_norm is not None:
             out = ops.rms_norm(out, layer.mlp_out_norm, eps)
-        return h + out
+        h = h + out
+        if layer.per_layer_gate is not None and per_layer is not None:
+            h = layer.per_layer_gate(h, per_layer[:, :, index].to(device=h.device, dtype=h.dtype))
+        return h if layer.out_scale is None else h * layer.out_scale
 
     @staticmethod
     def _proj(index: int, layer: Layer, name: str, x: torch.Tensor,
@@ -382,4 +438,6 @@ class Model:
             total += _size(self.lm_head)
         for layer in self.layers:
             total += sum(_size(w) for w in layer.tensors())
+        if self.per_layer_embedding is not None:
+            total += sum(_size(w) for w in self.per_layer_embedding.tensors())
         return total

@@ -1,4 +1,5 @@
-"""Rotary position embedding tables: inverse frequencies with linear, llama3, LongRoPE and NTK-alpha scaling.
+"""Rotary position embedding tables: inverse frequencies with linear, llama3, LongRoPE, proportional (partial) and
+NTK-alpha scaling.
 
 A model may use several tables (Gemma 3's local and global layers); each layer's `RopeSpec` says which.
 LongRoPE (Phi-3) picks its short or long factors once per table, by the table's length: transformers switches
@@ -22,7 +23,7 @@ def inverse_frequencies(
 ) -> torch.Tensor:
     """Per-pair inverse frequencies (fp64 on CPU) after NTK alpha, llama3 and LongRoPE scaling."""
     rope = rope or RopeSpec(config.rope_theta, config.rope_scaling)
-    d = config.head_dim
+    d = rope.head_dim or config.head_dim
     base = rope.theta
     if rope_alpha != 1.0:
         base = base * rope_alpha ** (d / (d - 2))
@@ -42,6 +43,10 @@ def inverse_frequencies(
         inv = torch.where(wavelen > low_wavelen, inv / scaling.factor, inv)
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(is_mid, mid, inv)
+    if scaling is not None and scaling.rope_type == "proportional":
+        # the pairs past the rotated share get frequency 0: cos 1, sin 0, the identity
+        inv[int(scaling.partial_rotary_factor * d // 2):] = 0.0
+        inv = inv / scaling.factor
     return inv
 
 
@@ -54,7 +59,7 @@ def cos_sin_tables(
     compress_pos_emb: float = 1.0,
     rope: Optional[RopeSpec] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [max_seq_len, head_dim] in the rotate-half layout, times the RoPE attention factor.
+    """cos and sin tables [max_seq_len, the spec's head_dim] in the rotate-half layout, times the RoPE attention factor.
 
     `rope` selects the table (default: the config's rope_theta and rope_scaling)."""
     rope = rope or RopeSpec(config.rope_theta, config.rope_scaling)

@@ -107,6 +107,16 @@ class Architecture:
         `loader` is the loader's per-layer context (see engine/loader.py `LayerLoader`). None: the dense MLP."""
         return None
 
+    def layer_extras(self, loader: Any, config: ConfigData, index: int) -> Dict[str, Any]:
+        """Hook for `Layer` fields beyond the layout's projections and norms (Gemma 4: `v_norm`, `per_layer_gate`,
+        `out_scale`), read through the same per-layer `loader`. Default: none."""
+        return {}
+
+    def per_layer_embedding(self, loader: Any, config: ConfigData) -> Optional[Any]:
+        """Hook for a model-level per-layer input (engine/per_layer_input.py `PerLayerEmbedding`), read through a
+        `loader` at prefix `model` on the embedding's device. Default: none."""
+        return None
+
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 

@@ -1,0 +1,266 @@
+"""Gemma 4 (text) against transformers (CPU, float32): logits, greedy decoding, the cache features and refusals.
+
+Fixtures are built by transformers' own Gemma4TextConfig and Gemma4ForCausalLM (tests/fixtures/gemma4_checkpoints.py):
+`gemma4_e` has per-layer embeddings, KV sharing, a double-wide MLP on the sharing layers and wide global heads with
+partial RoPE; `gemma4_dense` has global layers whose values are their keys' projection (attention_k_eq_v) and a
+config.json in the Hub's spelling. Both have a sliding window of 8, shorter than every prompt here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable, List
+
+import pytest
+import torch
+
+from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.loader import LoadedModel, load_model
+from kobold_backend.engine.model import Model
+from kobold_backend.errors import ModelFormatError
+from tests.fixtures.gemma4_checkpoints import SPECS, Gemma4Factory
+from tests.fixtures.hf_oracle import by_name, greedy_both, hf_load, hf_step, prompt_ids, row_rel_err
+
+ALL = [s.name for s in SPECS]
+LOGITS_RTOL = 1e-4
+REUSE_RTOL = 1e-5
+GREEDY_TOKENS = 32
+MAX_SEQ = 96
+
+
+@pytest.fixture(scope="module")
+def archs(tmp_path_factory: pytest.TempPathFactory) -> Gemma4Factory:
+    return Gemma4Factory(tmp_path_factory.mktemp("gemma4_fixtures"))
+
+
+@pytest.fixture(scope="module")
+def ours(archs: Gemma4Factory) -> Callable[[str], LoadedModel]:
+    return by_name(lambda name: load_model(archs.get(name).path, device="cpu", max_seq_len=MAX_SEQ))
+
+
+@pytest.fixture(scope="module")
+def hf(archs: Gemma4Factory) -> Callable[[str], torch.nn.Module]:
+    return by_name(lambda name: hf_load(archs.get(name).oracle_path))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_logits_match_transformers(name: str, archs, ours, hf, record_property) -> None:
+    built = archs.get(name)
+    ids = prompt_ids(built, 40, seed=1)
+    lm = ours(name)
+    logits = lm.model.forward(ids, lm.model.new_cache(), last_only=False)
+    with torch.no_grad():
+        ref = hf(name)(ids).logits
+    err, diff = row_rel_err(logits, ref), float((logits - ref).abs().max())
+    record_property("max_rel_err", err)
+    record_property("max_abs_diff", diff)
+    assert err < LOGITS_RTOL and diff < 1e-4, f"{name}: relative {err:.3e}, absolute {diff:.3e}"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_greedy_matches_transformers(name: str, archs, ours, hf, record_property) -> None:
+    """A 16-token prompt in uneven chunks then 32 greedy tokens through each side's KV cache (4 windows of 8)."""
+    run = greedy_both(ours(name), hf(name), prompt_ids(archs.get(name), 16, seed=2), GREEDY_TOKENS, cuts=(3, 10))
+    gaps = [float(v.topk(2).values[0] - v.topk(2).values[1]) for v in run.ref_logits]
+    errs = [row_rel_err(a, b) for a, b in zip(run.logits, run.ref_logits)]
+    assert min(gaps) > 1e-3, f"fixture {name} has a near-tie on its greedy path (gap {min(gaps):.2e})"
+    assert len(set(run.ref_tokens)) > 3, f"fixture {name} decodes a loop; it would prove little"
+    record_property("max_step_rel_err", max(errs))
+    assert row_rel_err(run.last_chunk, run.ref_prompt[:, 10:]) < LOGITS_RTOL
+    assert run.tokens == run.ref_tokens
+    assert max(errs) < LOGITS_RTOL, f"{name}: decode-step logits differ by {max(errs):.3e}"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_generator_greedy_matches_transformers(name: str, archs, ours, hf) -> None:
+    """The engine's Generator (lane, chunked prefill, sampler at temperature 0) gives transformers' greedy tokens."""
+    from kobold_backend.engine.generator import GenerationRequest, Generator
+    from kobold_backend.engine.sampling import SamplerSettings
+
+    built, lm = archs.get(name), ours(name)
+    prompt = prompt_ids(built, 20, seed=15)
+    out = Generator(lm.model, lm.tokenizer).generate(
+        GenerationRequest(prompt[0].tolist(), GREEDY_TOKENS, SamplerSettings(temperature=0), ban_eos=True))
+    assert out.token_ids == greedy_both(lm, hf(name), prompt, GREEDY_TOKENS).ref_tokens
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_prefix_reuse_and_rewind_match_fresh_prefill(name: str, archs, ours) -> None:
+    built, lm = archs.get(name), ours(name)
+    a, b, c = prompt_ids(built, 20, 3), prompt_ids(built, 12, 4)[:, 1:], prompt_ids(built, 9, 5)[:, 1:]
+    fresh = lm.model.forward(torch.cat([a, b], 1), lm.model.new_cache(), last_only=False)[:, 20:]
+    cache = lm.model.new_cache()
+    lm.model.forward(torch.cat([a, c], 1), cache)
+    cache.rewind(c.shape[1])
+    assert row_rel_err(lm.model.forward(b, cache, last_only=False), fresh) < REUSE_RTOL
+    twin = cache.clone()
+    assert twin.k[4] is twin.k[twin.sources[4]] if twin.sources[4] is not None else twin.k[4] is not cache.k[4]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_graph_step_matches_forward(name: str, archs, ours) -> None:
+    """decode_step (what a CUDA graph captures: device position, bucketed length) equals forward, past the window."""
+    built, lm = archs.get(name), ours(name)
+    prompt = prompt_ids(built, 12, seed=12)
+    eager, graphy = lm.model.new_cache(), lm.model.new_cache()
+    lm.model.forward(prompt, eager)
+    lm.model.forward(prompt, graphy)
+    token = torch.tensor([[7]])
+    for step in range(16):
+        pos = graphy.reserve(1)
+        ref = lm.model.forward(token, eager)[0, -1]
+        got = lm.model.decode_step(token, torch.tensor([pos]), graphy, 64)[0, -1]
+        graphy.seq_len = pos + 1
+        assert row_rel_err(got, ref) < REUSE_RTOL, step
+        token = ref.argmax().view(1, 1)
+
+
+def _keep_layers(model: Model, keep: List[int]) -> None:
+    """Cut the model down to the layers `keep` (a sharing layer's source renumbered)."""
+    where = {old: new for new, old in enumerate(keep)}
+    model.kv_sources = [None if model.kv_sources[i] is None else where[model.kv_sources[i]] for i in keep]
+    for name in ("layers", "cos", "sin", "rope_factors", "head_dims", "kv_heads", "intermediates"):
+        setattr(model, name, [getattr(model, name)[i] for i in keep])
+    model.windows = tuple(model.windows[i] for i in keep)
+
+
+@pytest.mark.parametrize("keep", [[3, 4], [2, 5]], ids=["local", "global"])
+@pytest.mark.parametrize("cache_dtype, bound", [("fp16", REUSE_RTOL), ("q8", 2e-2)])
+def test_context_shift_with_shared_kv(keep: List[int], cache_dtype: str, bound: float, archs) -> None:
+    """Context shifting on a source layer and the layer that reads its cache (local: window 8, full RoPE; global:
+    head 64, partial RoPE): the shifted cache gives the logits of a fresh prefill of the kept tokens (the source
+    layer is first, so its keys depend on the tokens alone). Quantized: re-quantized keys stay close."""
+    lm = load_model(archs.get("gemma4_e").path, device="cpu", max_seq_len=MAX_SEQ, cache_dtype=cache_dtype)
+    model = lm.model
+    assert model.kv_sources[keep[1]] == keep[0]
+    _keep_layers(model, keep)
+    ids = torch.randint(3, 900, (1, 60), generator=torch.Generator().manual_seed(0))
+    memory, dropped, kept, new = ids[:, :4], ids[:, 4:20], ids[:, 20:50], ids[:, 50:]
+    cache = model.new_cache()
+    assert cache.k[1] is cache.k[0] and cache.v[1] is cache.v[0]
+    model.forward(torch.cat([memory, dropped, kept], 1), cache)
+    model.shift_cache(cache, 4, 16)
+    shifted = model.forward(new, cache, last_only=False)
+    fresh = model.forward(torch.cat([memory, kept, new], 1), model.new_cache(), last_only=False)[:, -10:]
+    assert row_rel_err(shifted, fresh) < bound
+
+
+@pytest.mark.parametrize("cache_dtype", ["q8", "k8v4"])
+def test_quantized_cache_stays_close_to_transformers(cache_dtype: str, archs, hf) -> None:
+    built = archs.get("gemma4_e")
+    lm = load_model(built.path, device="cpu", max_seq_len=MAX_SEQ, cache_dtype=cache_dtype)
+    prompt = prompt_ids(built, 24, seed=6)
+    cache = lm.model.new_cache()
+    assert cache.nbytes < load_model(built.path, device="cpu", max_seq_len=MAX_SEQ).model.new_cache().nbytes
+    got = lm.model.forward(prompt, cache, last_only=False)
+    ref, past = hf_step(hf("gemma4_e"), prompt, None)
+    errs = [row_rel_err(got, ref)]
+    for _ in range(8):
+        token = ref[:, -1:].argmax(-1)
+        got = lm.model.forward(token, cache)
+        ref, past = hf_step(hf("gemma4_e"), token, past)
+        errs.append(row_rel_err(got, ref[:, -1:]))
+    assert max(errs) < 5e-2
+
+
+def test_gemma4_features_are_read(ours) -> None:
+    e, d = ours("gemma4_e").model, ours("gemma4_dense").model
+    assert e.windows == (8, 8, None, 8, 8, None) and e.kv_sources == [None, None, None, None, 3, 2]
+    assert e.head_dims == [32, 32, 64, 32, 32, 64] and e.intermediates == [96] * 4 + [192] * 2
+    assert e.scale == 1.0 and e.features.norm_offset == 0.0 and e.features.final_softcap == 30.0
+    full = e.features.ropes[2]
+    assert (full.theta, full.head_dim, full.scaling.rope_type, full.scaling.partial_rotary_factor) == \
+        (1e6, 64, "proportional", 0.25)
+    # proportional RoPE: only the first 8 of 32 frequency pairs rotate
+    assert torch.all(e.cos[2][:, 8:32] == 1) and not torch.all(e.cos[2][:, :8] == 1)
+    assert e.per_layer_embedding is not None and all(layer.per_layer_gate is not None for layer in e.layers)
+    assert e.layers[4].k_proj is None and e.layers[4].k_norm is None and e.layers[4].v_norm is None
+    assert d.per_layer_embedding is None and d.kv_heads == [2, 1, 2, 1] and d.head_dims == [32, 64, 32, 64]
+    assert d.layers[1].v_proj is None and d.layers[1].qkv_proj is None and d.layers[0].qkv_proj is not None
+    cache = e.new_cache()
+    assert cache.k[4] is cache.k[3] and cache.v[5] is cache.v[2] and tuple(cache.k[2].shape) == (1, 1, MAX_SEQ, 64)
+
+
+@pytest.mark.parametrize("name, field, value", [
+    ("gemma4_e", "v_norm", None),
+    ("gemma4_e", "per_layer_gate", None),
+    ("gemma4_e", "out_scale", None),
+])
+def test_fixture_is_sensitive(name: str, field: str, value, archs, ours) -> None:
+    """Without the piece the logits move by more than 1%, so the tests above do test it."""
+    built, lm = archs.get(name), ours(name)
+    ids = prompt_ids(built, 40, seed=1)
+    base = lm.model.forward(ids, lm.model.new_cache(), last_only=False)
+    model = load_model(built.path, device="cpu", max_seq_len=MAX_SEQ).model
+    for layer in model.layers:
+        setattr(layer, field, value)
+    assert row_rel_err(model.forward(ids, model.new_cache(), last_only=False), base) > 1e-2
+
+
+def test_partial_rope_and_k_eq_v_matter(archs, hf) -> None:
+    """transformers itself moves by more than 1% with full RoPE on the global layers, or with a v_proj of their own
+    in place of the keys' projection."""
+    built = archs.get("gemma4_dense")
+    ids = prompt_ids(built, 40, seed=1)
+    with torch.no_grad():
+        base = hf("gemma4_dense")(ids).logits
+        for edit in ({"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},):
+            cfg = dict(built.config, **edit)
+            folder = built.path.parent / "gemma4_dense-full-rope"
+            if not folder.exists():
+                import shutil
+
+                shutil.copytree(built.path, folder)
+                (folder / "config.json").write_text(json.dumps(cfg))
+            assert row_rel_err(hf_load(folder)(ids).logits, base) > 1e-2
+
+
+def _config(**changes) -> dict:
+    return dict(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], hidden_size=64, intermediate_size=96,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,
+                **changes)
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(enable_moe_block=True, num_experts=4), ["mixture-of-experts", "26B-A4B"]),
+    (dict(use_bidirectional_attention="all"), ["bidirectional"]),
+    (dict(num_kv_shared_layers=2), ["num_kv_shared_layers"]),
+    (dict(layer_types=["full_attention"]), ["layer_types"]),
+    (dict(hidden_activation="relu"), ["relu"]),
+])
+def test_refused_in_one_sentence(changes, words) -> None:
+    with pytest.raises(ModelFormatError) as err:
+        ModelConfig.from_dict(_config(**changes))
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: native kernels in float16 (head sizes 32 and 64 here; 256 and 512 in the released models).
+
+GPU_RTOL = 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ALL)
+def test_gpu_fp16_matches_transformers(name: str, archs, hf, record_property) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from kobold_backend.engine.decode_graph import GraphDecoder
+
+    built = archs.get(name)
+    lm = load_model(built.path, device="cuda", dtype="float16", max_seq_len=MAX_SEQ)
+    ref_model = hf(name)
+    prompt = prompt_ids(built, 20, seed=10)
+    cache = lm.model.new_cache()
+    got = lm.model.forward(prompt.cuda(), cache, last_only=False)
+    ref, past = hf_step(ref_model, prompt, None)
+    errs = [row_rel_err(got.cpu(), ref)]
+    graphs = GraphDecoder(lm.model, cache)
+    for step in range(40):
+        token = ref[:, -1:].argmax(-1)
+        got = lm.model.forward(token.cuda(), cache)[0, -1] if step < 8 else graphs.step(int(token))
+        ref, past = hf_step(ref_model, token, past)
+        errs.append(row_rel_err(got.float().cpu(), ref[0, -1]))
+    record_property("max_rel_err", max(errs))
+    assert max(errs) < GPU_RTOL, f"{name}: max relative logit error {max(errs):.3e}"
