@@ -94,7 +94,9 @@ def test_prefix_reuse_and_rewind_match_fresh_prefill(name: str, archs, ours) -> 
     cache.rewind(c.shape[1])
     assert row_rel_err(lm.model.forward(b, cache, last_only=False), fresh) < REUSE_RTOL
     twin = cache.clone()
-    assert twin.k[4] is twin.k[twin.sources[4]] if twin.sources[4] is not None else twin.k[4] is not cache.k[4]
+    for i, src in enumerate(twin.sources):
+        assert twin.k[i] is not cache.k[i] and (src is None or twin.k[i] is twin.k[src])
+    assert row_rel_err(lm.model.forward(c, twin, last_only=False), lm.model.forward(c, cache, last_only=False)) == 0
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -125,13 +127,11 @@ def _keep_layers(model: Model, keep: List[int]) -> None:
 
 
 @pytest.mark.parametrize("keep", [[3, 4], [2, 5]], ids=["local", "global"])
-@pytest.mark.parametrize("cache_dtype, bound", [("fp16", REUSE_RTOL), ("q8", 2e-2)])
-def test_context_shift_with_shared_kv(keep: List[int], cache_dtype: str, bound: float, archs) -> None:
+def test_context_shift_with_shared_kv(keep: List[int], archs) -> None:
     """Context shifting on a source layer and the layer that reads its cache (local: window 8, full RoPE; global:
     head 64, partial RoPE): the shifted cache gives the logits of a fresh prefill of the kept tokens (the source
-    layer is first, so its keys depend on the tokens alone). Quantized: re-quantized keys stay close."""
-    lm = load_model(archs.get("gemma4_e").path, device="cpu", max_seq_len=MAX_SEQ, cache_dtype=cache_dtype)
-    model = lm.model
+    layer is first, so its keys depend on the tokens alone)."""
+    model = load_model(archs.get("gemma4_e").path, device="cpu", max_seq_len=MAX_SEQ).model
     assert model.kv_sources[keep[1]] == keep[0]
     _keep_layers(model, keep)
     ids = torch.randint(3, 900, (1, 60), generator=torch.Generator().manual_seed(0))
@@ -142,25 +142,51 @@ def test_context_shift_with_shared_kv(keep: List[int], cache_dtype: str, bound: 
     model.shift_cache(cache, 4, 16)
     shifted = model.forward(new, cache, last_only=False)
     fresh = model.forward(torch.cat([memory, kept, new], 1), model.new_cache(), last_only=False)[:, -10:]
-    assert row_rel_err(shifted, fresh) < bound
+    assert row_rel_err(shifted, fresh) < REUSE_RTOL
 
 
-@pytest.mark.parametrize("cache_dtype", ["q8", "k8v4"])
-def test_quantized_cache_stays_close_to_transformers(cache_dtype: str, archs, hf) -> None:
-    built = archs.get("gemma4_e")
+@pytest.mark.parametrize("keep", [[3, 4], [2, 5]], ids=["local", "global"])
+@pytest.mark.parametrize("cache_dtype, once_bound", [("q8", 0.006), ("q4", 0.12)])
+def test_quantized_shared_cache_shifts(keep: List[int], cache_dtype: str, once_bound: float, archs) -> None:
+    """A quantized cache shared by two layers: its keys are one rounding from the exact keys, the shifted ones
+    (re-quantized once after the re-rotation, not once per layer that reads them) about sqrt(2) roundings, and the
+    values move exactly (as tests/test_kv_quant.py checks for a layer of its own)."""
+    model = load_model(archs.get("gemma4_e").path, device="cpu", max_seq_len=MAX_SEQ).model
+    _keep_layers(model, keep)
+    ids = torch.randint(3, 900, (1, 60), generator=torch.Generator().manual_seed(0))
+    memory, dropped, kept = ids[:, :4], ids[:, 4:20], ids[:, 20:50]
+    cache = model.new_cache(cache_dtype=cache_dtype)
+    assert cache.k[1] is cache.k[0]
+    model.forward(torch.cat([memory, dropped, kept], 1), cache)
+    v_before = cache.v[0].data[:, :, 20:50].clone()
+    model.shift_cache(cache, 4, 16)
+    assert torch.equal(cache.v[0].data[:, :, 4:34], v_before)
+    exact, fresh = model.new_cache(), model.new_cache(cache_dtype=cache_dtype)
+    model.forward(torch.cat([memory, kept], 1), exact)
+    model.forward(torch.cat([memory, kept], 1), fresh)
+    k_exact = exact.k[0][:, :, :34].float()
+    once = ((fresh.k[0][:, :, :34].float() - k_exact).norm() / k_exact.norm()).item()
+    twice = ((cache.k[0][:, :, :34].float() - k_exact).norm() / k_exact.norm()).item()
+    assert once < once_bound and twice < 1.6 * once, (once, twice)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("cache_dtype, bound", [("q8", 0.1), ("k8v4", 0.6)])
+def test_quantized_cache_runs_every_layer(name: str, cache_dtype: str, bound: float, archs, ours) -> None:
+    """Every layer's quantized buffers have its own head count and size (sharing layers none of their own); the
+    logits stay near the fp16 cache's (these fixtures are chaotic: Gemma 3's moves 11% at q8)."""
+    built, base = archs.get(name), ours(name)
     lm = load_model(built.path, device="cpu", max_seq_len=MAX_SEQ, cache_dtype=cache_dtype)
-    prompt = prompt_ids(built, 24, seed=6)
+    ids = prompt_ids(built, 24, seed=6)
     cache = lm.model.new_cache()
-    assert cache.nbytes < load_model(built.path, device="cpu", max_seq_len=MAX_SEQ).model.new_cache().nbytes
-    got = lm.model.forward(prompt, cache, last_only=False)
-    ref, past = hf_step(hf("gemma4_e"), prompt, None)
-    errs = [row_rel_err(got, ref)]
-    for _ in range(8):
-        token = ref[:, -1:].argmax(-1)
-        got = lm.model.forward(token, cache)
-        ref, past = hf_step(hf("gemma4_e"), token, past)
-        errs.append(row_rel_err(got, ref[:, -1:]))
-    assert max(errs) < 5e-2
+    for i in range(len(lm.model.layers)):
+        src = lm.model.kv_sources[i]
+        assert cache.k[i].shape == (1, lm.model.kv_heads[i], MAX_SEQ, lm.model.head_dims[i])
+        assert src is None or cache.k[i] is cache.k[src]
+    assert cache.nbytes < base.model.new_cache().nbytes
+    got = lm.model.forward(ids, cache, last_only=False)
+    ref = base.model.forward(ids, base.model.new_cache(), last_only=False)
+    assert row_rel_err(got, ref) < bound
 
 
 def test_gemma4_features_are_read(ours) -> None:
@@ -178,7 +204,7 @@ def test_gemma4_features_are_read(ours) -> None:
     assert d.per_layer_embedding is None and d.kv_heads == [2, 1, 2, 1] and d.head_dims == [32, 64, 32, 64]
     assert d.layers[1].v_proj is None and d.layers[1].qkv_proj is None and d.layers[0].qkv_proj is not None
     cache = e.new_cache()
-    assert cache.k[4] is cache.k[3] and cache.v[5] is cache.v[2] and tuple(cache.k[2].shape) == (1, 1, MAX_SEQ, 64)
+    assert cache.k[4] is cache.k[3] and cache.v[5] is cache.v[2] and tuple(cache.k[2].shape) == (1, 2, MAX_SEQ, 64)
 
 
 @pytest.mark.parametrize("name, field, value", [
