@@ -57,7 +57,7 @@ def buffer_bytes(t: Any) -> int:
 
 
 def _per_layer(value: Union[int, Sequence[int]], n: int) -> Sequence[int]:
-    return (value,) * n if isinstance(value, int) else value
+    return (value,) * n if isinstance(value, int) else value[:n]
 
 
 class KVCache:
@@ -89,7 +89,7 @@ class KVCache:
         k_scheme, v_scheme = cache_schemes(cache_dtype)
         heads = _per_layer(num_kv_heads, num_layers)
         dims = _per_layer(head_dim, num_layers)
-        self.sources: Tuple[Optional[int], ...] = tuple(sources) or (None,) * num_layers
+        self.sources: Tuple[Optional[int], ...] = tuple(sources[:num_layers]) or (None,) * num_layers
         self.k: List[Any] = []
         self.v: List[Any] = []
         for i, src in enumerate(self.sources):

@@ -10,6 +10,10 @@ after the MLP, per-head q/k norms, GELU-tanh gate, sqrt(hidden) embedding scale,
 - per-layer embeddings (`hidden_size_per_layer_input`, engine/per_layer_input.py) and a per-layer output scale
   (`layer_scalar`); final logits soft-capped by `final_logit_softcapping`.
 
+The released checkpoints are multimodal (`gemma4`, Gemma4ForConditionalGeneration): the decoder's settings are
+under `text_config` and its tensors under `model.language_model.`; only the text model is loaded (no vision or
+audio tower), so image and audio inputs are refused by the server as for any text model.
+
 Refused: the mixture-of-experts block (`enable_moe_block`, Gemma 4 26B-A4B) and bidirectional attention.
 """
 
@@ -193,4 +197,27 @@ def _ple_dim(config: ConfigData) -> int:
     return int(config.raw.get("hidden_size_per_layer_input") or 0)
 
 
+class Gemma4Multimodal(Gemma4):
+    """The text model of Gemma4ForConditionalGeneration (Gemma 4 E2B, E4B, 31B as published)."""
+
+    model_types = ("gemma4",)
+    class_names = ("Gemma4ForConditionalGeneration",)
+    _STORED = "model.language_model."
+
+    def text_config(self, raw: Dict[str, Any], where: str) -> Dict[str, Any]:
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ModelFormatError(f"{where}: a gemma4 config.json must hold the text model's settings in "
+                                   "text_config.")
+        merged = dict(text, model_type=raw["model_type"], architectures=raw.get("architectures") or [])
+        for key in ("tie_word_embeddings", "quantization_config", "torch_dtype", "dtype"):
+            if raw.get(key) is not None:
+                merged[key] = raw[key]
+        return merged
+
+    def stored_names(self, names: List[str]) -> Dict[str, str]:
+        return {"model." + name[len(self._STORED):]: name for name in names if name.startswith(self._STORED)}
+
+
 register(Gemma4())
+register(Gemma4Multimodal())
