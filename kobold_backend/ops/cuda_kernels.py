@@ -304,7 +304,9 @@ class CudaKernels:
     @staticmethod
     def _attention_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int) -> bool:
         dev = q.device
-        return (attention_supported(q, k_cache, v_cache, seq_len, CUDA_CODES) and k_cache.device == dev
+        # csrc/cuda/attention.cu holds a head in registers up to kMaxDim = 256 (Gemma 4's global heads are 512)
+        return (attention_supported(q, k_cache, v_cache, seq_len, CUDA_CODES) and q.shape[-1] <= 256
+                and k_cache.device == dev
                 and v_cache.device == dev and _attention_layout_ok(q, k_cache, v_cache))
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: int, pos_dev: int,
