@@ -290,3 +290,41 @@ def test_gpu_fp16_matches_transformers(name: str, archs, hf, record_property) ->
         errs.append(row_rel_err(got.float().cpu(), ref[0, -1]))
     record_property("max_rel_err", max(errs))
     assert max(errs) < GPU_RTOL, f"{name}: max relative logit error {max(errs):.3e}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The chat shape (written for this test in the style of the released template; ai.google.dev's Gemma 4 prompt
+# formatting): `<|turn>role ... <turn|>` blocks, role `model` for the assistant, past thoughts
+# (`<|channel>thought ... <channel|>`) dropped from model turns, `<|turn>model` as the generation prompt.
+
+GEMMA4_TEMPLATE = """{{ bos_token }}
+{%- for m in messages -%}
+{%- set role = 'model' if m['role'] == 'assistant' else m['role'] -%}
+{%- if m['content'] is string -%}{%- set content = m['content'] -%}
+{%- else -%}{%- set content = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}
+{%- endif -%}
+{%- if role == 'model' and '<channel|>' in content -%}{%- set content = content.split('<channel|>')[-1] -%}{%- endif -%}
+<|turn>{{ role }}
+{{ content | trim }}<turn|>
+{% endfor -%}
+{%- if add_generation_prompt -%}<|turn>model
+{% endif -%}"""
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "Hello there, who are you?"}],
+    [{"role": "system", "content": "Be terse & \"kind\"."}, {"role": "user", "content": "  Tell me\nabout it.  "},
+     {"role": "assistant", "content": "<|channel>thought\nhm<channel|>It is small. "},
+     {"role": "user", "content": [{"type": "text", "text": "naïve café 漢字 😀"}]}],
+], ids=["one", "turns"])
+def test_chat_template_renders_as_transformers(messages, spm_dir, tmp_path) -> None:
+    from kobold_backend.engine.chat_template import ChatFormatter
+    from kobold_backend.engine.tokenizer import load_tokenizer
+    from tests.test_openai_chat_template import hf_render, with_template
+
+    folder = with_template(spm_dir, tmp_path / "gemma4-chat", GEMMA4_TEMPLATE)
+    formatter = ChatFormatter(GEMMA4_TEMPLATE, load_tokenizer(folder), folder)
+    text = formatter.render(messages)
+    assert text == hf_render(folder, messages, tokenize=False) and text.endswith("<turn|>\n<|turn>model\n")
+    assert "thought" not in text
+    assert formatter.encode(text) == list(hf_render(folder, messages, tokenize=True))
