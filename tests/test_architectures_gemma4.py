@@ -301,7 +301,8 @@ GEMMA4_TEMPLATE = """{{ bos_token }}
 {%- for m in messages -%}
 {%- set role = 'model' if m['role'] == 'assistant' else m['role'] -%}
 {%- if m['content'] is string -%}{%- set content = m['content'] -%}
-{%- else -%}{%- set content = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}
+{%- else -%}
+{%- set content = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}
 {%- endif -%}
 {%- if role == 'model' and '<channel|>' in content -%}{%- set content = content.split('<channel|>')[-1] -%}{%- endif -%}
 <|turn>{{ role }}
