@@ -78,6 +78,7 @@ class Features:
       wider heads and fewer KV heads, its KV-sharing layers a double-wide MLP); empty: the config's sizes.
     - `kv_sources`: per layer, None or the earlier layer whose cache it attends over; such a layer computes no
       keys or values of its own (Gemma 4's KV sharing).
+    - `activation_sparsity`: per layer, Gemma 3n's target sparsity of the MLP gate (0: dense; empty: none).
     """
 
     biases: Tuple[str, ...] = ()
@@ -96,6 +97,7 @@ class Features:
     kv_heads: Tuple[int, ...] = ()
     intermediate_sizes: Tuple[int, ...] = ()
     kv_sources: Tuple[Optional[int], ...] = ()
+    activation_sparsity: Tuple[float, ...] = ()
 
 
 @dataclass

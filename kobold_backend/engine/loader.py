@@ -356,6 +356,7 @@ def _build(
     embed_device = torch.device("cpu") if embed_on_cpu else main
     embed = top(embed_device, _dtype_for(embed_device, dtype)).dense("embed_tokens.weight", (config.vocab_size, h))
     per_layer_embedding = config.description.per_layer_embedding(top(embed_device, embed.dtype), config)
+    streams = config.description.residual_streams(top(embed_device, embed.dtype), config)
     tick("embeddings")
     layers: List[Layer] = []
     for i in range(config.num_layers):
@@ -382,4 +383,5 @@ def _build(
             tables[key] = cos_sin_tables(config, seq_len, key[0], key[1], rope_alpha, compress_pos_emb, key[2])
         cos.append(tables[key][0])
         sin.append(tables[key][1])
-    return Model(config, embed, layers, norm, lm_head, cos, sin, head_dt, seq_len, cache_dtype, per_layer_embedding)
+    return Model(config, embed, layers, norm, lm_head, cos, sin, head_dt, seq_len, cache_dtype, per_layer_embedding,
+                 streams)

@@ -66,6 +66,15 @@ def rope_rows(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: Union[
     return (qf * c + rotate_half(qf) * s).to(q.dtype)
 
 
+def gaussian_top(gate: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """Gemma 3n's activation sparsity: keep what lies above mean + std * Phi^-1(sparsity) of each row (the part a
+    normal distribution puts in its top 1 - sparsity), shifted down by that cutoff, zero elsewhere."""
+    multiplier = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(sparsity, dtype=torch.float32))
+    mean = gate.mean(-1, keepdim=True)
+    std = gate.std(-1, keepdim=True, unbiased=False)
+    return torch.relu(gate - (mean + std * multiplier.to(device=gate.device, dtype=gate.dtype)))
+
+
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
@@ -91,6 +100,8 @@ class Layer:
     Gemma 4 adds `v_norm` (a weightless RMSNorm over each value head, stored as ones), `per_layer_gate` (called as
     `per_layer_gate(h, per_layer_input)` after the MLP's residual add, engine/per_layer_input.py) and `out_scale`
     (the layer's output is multiplied by it). A layer without v_proj (and no fused qkv) uses k's projection as v.
+    Gemma 3n adds `laurel` (called on the normed input; joins the residual after attention, engine/altup.py) and
+    `wrap` (AltUp: called as `wrap(streams, run_layer, per_layer_input)`).
     `mlp_perm` is set when an act-order down_proj's input permutation was folded into gate/up's outputs
     (engine/mlp_fold.py): the intermediate is stored in that order, feature j being the checkpoint's mlp_perm[j].
     """
@@ -115,6 +126,8 @@ class Layer:
     biases: Dict[str, torch.Tensor] = field(default_factory=dict)
     mlp: Optional[Any] = None
     mlp_perm: Optional[torch.Tensor] = None
+    laurel: Optional[Any] = None
+    wrap: Optional[Any] = None
     v_norm: Optional[torch.Tensor] = None
     per_layer_gate: Optional[Any] = None
     out_scale: Optional[torch.Tensor] = None
@@ -178,8 +191,9 @@ class Layer:
             yield self.mlp_perm
         if self.mlp is not None:
             yield from self.mlp.tensors()
-        if self.per_layer_gate is not None:
-            yield from self.per_layer_gate.tensors()
+        for part in (self.per_layer_gate, self.laurel, self.wrap):
+            if part is not None:
+                yield from part.tensors()
 
 
 class Model:
@@ -198,10 +212,13 @@ class Model:
         max_seq_len: int,
         cache_dtype: str = "fp16",
         per_layer_embedding: Optional[Any] = None,
+        streams: Optional[Any] = None,
     ) -> None:
         self.config = config
         # Gemma 4's per-layer inputs: `per_layer_embedding.inputs(ids, h)` -> [B, T, layers, D] (per_layer_input.py)
         self.per_layer_embedding = per_layer_embedding
+        # Gemma 3n's AltUp: `streams.expand(h)` -> [n, B, T, H] before the layers, `collapse` back after them
+        self.streams = streams
         self.cache_dtype = cache_dtype  # what new_cache allocates (engine/cache.py CACHE_DTYPES)
         self.features = config.features
         self.embed_tokens = embed_tokens
@@ -220,6 +237,7 @@ class Model:
         self.kv_heads = [config.layer_kv_heads(i) for i in range(n)]
         self.intermediates = [config.layer_intermediate(i) for i in range(n)]
         self.kv_sources = [config.layer_kv_source(i) for i in range(n)]
+        self.sparsity = list(self.features.activation_sparsity) or [0.0] * n
         self.rope_factors = [rope.attention_factor for rope in self.features.ropes]
         self.activation = ACTIVATIONS[self.features.activation]
         scale = self.features.embed_scale
@@ -261,11 +279,13 @@ class Model:
         pos = cache.reserve(t)
         h = self._embed(ids)
         extra = self._per_layer_inputs(ids, h)
+        h = h if self.streams is None else self.streams.expand(h)
         for index, layer in enumerate(self.layers):
             h = h.to(device=layer.device, dtype=layer.input_norm.dtype)
-            h = self._layer(index, layer, h, cache, pos, passthrough, per_layer=extra)
+            h = self._block(index, layer, h, cache, pos, passthrough, per_layer=extra)
             if passthrough is not None:
                 h = passthrough.after_layer(index, h, pos)
+        h = h if self.streams is None else self.streams.collapse(h)
         cache.seq_len = pos + t
         if last_only:
             h = h[:, -1:]
@@ -303,10 +323,22 @@ class Model:
         advances `cache.seq_len`."""
         h = self._embed(ids)
         extra = self._per_layer_inputs(ids, h)
+        h = h if self.streams is None else self.streams.expand(h)
         for index, layer in enumerate(self.layers):
             h = h.to(device=layer.device, dtype=layer.input_norm.dtype)
-            h = self._layer(index, layer, h, cache, 0, None, pos, length, extra)
+            h = self._block(index, layer, h, cache, 0, None, pos, length, extra)
+        h = h if self.streams is None else self.streams.collapse(h)
         return self._logits(h)
+
+    def _block(self, index: int, layer: Layer, h: torch.Tensor, cache: KVCache, pos: int,
+               passthrough: Optional[ForwardHooks], pos_t: Optional[torch.Tensor] = None, length: int = 0,
+               per_layer: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One decoder layer, through its residual wrapper when it has one (Gemma 3n's AltUp: `h` holds the
+        model's parallel streams, the wrapper runs the layer on the active one)."""
+        if layer.wrap is None:
+            return self._layer(index, layer, h, cache, pos, passthrough, pos_t, length, per_layer)
+        own = None if per_layer is None else per_layer[:, :, index].to(device=h.device, dtype=h.dtype)
+        return layer.wrap(h, lambda x: self._layer(index, layer, x, cache, pos, passthrough, pos_t, length), own)
 
     def _per_layer_inputs(self, ids: torch.Tensor, h: torch.Tensor) -> Optional[torch.Tensor]:
         if self.per_layer_embedding is None:
@@ -339,6 +371,7 @@ class Model:
         eps = cfg.rms_norm_eps
         b, t, _ = h.shape
         x = ops.rms_norm(h, layer.input_norm, eps)
+        laurel = None if layer.laurel is None else layer.laurel(x)
         hd, kvh, shared = self.head_dims[index], self.kv_heads[index], self.kv_sources[index] is not None
         qd, kvd = cfg.num_heads * hd, kvh * hd
         # a KV-sharing layer projects only q; a layer without v_proj reuses k's projection as v
@@ -372,12 +405,18 @@ class Model:
         a = self._proj(index, layer, "o_proj", a.reshape(b, t, qd), passthrough)
         if layer.attn_out_norm is not None:
             a = ops.rms_norm(a, layer.attn_out_norm, eps)
-        x, h = ops.add_rms_norm(a, h, layer.post_norm, eps)
+        if laurel is None:
+            x, h = ops.add_rms_norm(a, h, layer.post_norm, eps)
+        else:  # Gemma 3n: the Laurel branch joins the residual, the sum scaled by 1/sqrt(2)
+            h = (h + a + laurel) / 2 ** 0.5
+            x = ops.rms_norm(h, layer.post_norm, eps)
         if layer.mlp is not None:
             out = layer.mlp(x, index, passthrough)
         else:
             inter = self.intermediates[index]
             gate, up = self._projs(index, layer, "gate_up_proj", GATE_UP, (inter, inter), x, passthrough)
+            if self.sparsity[index] > 0.0:
+                gate = gaussian_top(gate, self.sparsity[index])
             out = self._proj(index, layer, "down_proj", self.activation(gate, up), passthrough)
         if layer.mlp_out_norm is not None:
             out = ops.rms_norm(out, layer.mlp_out_norm, eps)
@@ -438,6 +477,7 @@ class Model:
             total += _size(self.lm_head)
         for layer in self.layers:
             total += sum(_size(w) for w in layer.tensors())
-        if self.per_layer_embedding is not None:
-            total += sum(_size(w) for w in self.per_layer_embedding.tensors())
+        for part in (self.per_layer_embedding, self.streams):
+            if part is not None:
+                total += sum(_size(w) for w in part.tensors())
         return total

@@ -1,5 +1,5 @@
-"""Per-layer embeddings (Gemma 4's "PLE"): every decoder layer gets its own small input per token, which it gates
-into its residual stream after the MLP, as transformers' modeling_gemma4 computes it.
+"""Per-layer embeddings (Gemma 4's and Gemma 3n's "PLE"): every decoder layer gets its own small input per token,
+which it gates into its residual stream after the MLP, as transformers' modeling_gemma4 / gemma3n compute it.
 
 `PerLayerEmbedding` (model level) turns the token ids and the scaled main embedding into `[B, T, layers, D]`:
 a second embedding (times sqrt(D)) plus an RMSNorm'd projection of the main embedding (times hidden ** -0.5),
@@ -31,7 +31,10 @@ class PerLayerEmbedding:
     eps: float
 
     def inputs(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        tokens = self.embed[ids.to(self.embed.device)].to(device=h.device, dtype=h.dtype) * self.embed_scale
+        ids = ids.to(self.embed.device)
+        # Gemma 3n's table is shorter than the vocabulary: ids past it read row 0
+        rows = self.embed[torch.where(ids < self.embed.shape[0], ids, torch.zeros_like(ids))]
+        tokens = rows.to(device=h.device, dtype=h.dtype) * self.embed_scale
         mixed = project(h, self.projection) * h.shape[-1] ** -0.5
         mixed = ops.rms_norm(mixed.view(*h.shape[:-1], self.num_layers, self.dim), self.norm, self.eps)
         return (mixed + tokens.view_as(mixed)) * 2 ** -0.5
@@ -50,8 +53,12 @@ class PerLayerGate:
     eps: float
 
     def __call__(self, h: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
+        return h + self.delta(h, per_layer_input)
+
+    def delta(self, h: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
+        """norm(projection(gelu_tanh(gate(h)) * input)), which Gemma 3n adds to its other AltUp streams."""
         x = ops.gelu_tanh_mul(project(h, self.gate), per_layer_input)
-        return h + ops.rms_norm(project(x, self.projection), self.norm, self.eps)
+        return ops.rms_norm(project(x, self.projection), self.norm, self.eps)
 
     def tensors(self) -> Iterator[Weight]:
         yield from (self.gate, self.projection, self.norm)

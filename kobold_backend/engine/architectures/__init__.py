@@ -4,7 +4,15 @@ Importing this package registers every family; `lookup(model_type, architectures
 description the loader and the model follow (see base.py and docs/dev/architectures.md).
 """
 
-from kobold_backend.engine.architectures import gemma, gemma4, llama, moe, phi3, qwen2  # noqa: F401  (each registers its families)
+from kobold_backend.engine.architectures import (  # noqa: F401  (each registers its families)
+    gemma,
+    gemma3n,
+    gemma4,
+    llama,
+    moe,
+    phi3,
+    qwen2,
+)
 from kobold_backend.engine.architectures.base import (
     Architecture,
     Features,

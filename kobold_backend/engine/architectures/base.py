@@ -122,6 +122,11 @@ class Architecture:
         `out_scale`), read through the same per-layer `loader`. Default: none."""
         return {}
 
+    def residual_streams(self, loader: Any, config: ConfigData) -> Optional[Any]:
+        """Hook for parallel residual streams around the layers (engine/altup.py `AltUpStreams`: `expand(h)` before
+        the first layer, `collapse(streams)` after the last), read like `per_layer_embedding`. Default: none."""
+        return None
+
     def per_layer_embedding(self, loader: Any, config: ConfigData) -> Optional[Any]:
         """Hook for a model-level per-layer input (engine/per_layer_input.py `PerLayerEmbedding`), read through a
         `loader` at prefix `model` on the embedding's device. Default: none."""

@@ -202,21 +202,32 @@ class Gemma4Multimodal(Gemma4):
 
     model_types = ("gemma4",)
     class_names = ("Gemma4ForConditionalGeneration",)
-    _STORED = "model.language_model."
 
     def text_config(self, raw: Dict[str, Any], where: str) -> Dict[str, Any]:
-        text = raw.get("text_config")
-        if not isinstance(text, dict):
-            raise ModelFormatError(f"{where}: a gemma4 config.json must hold the text model's settings in "
-                                   "text_config.")
-        merged = dict(text, model_type=raw["model_type"], architectures=raw.get("architectures") or [])
-        for key in ("tie_word_embeddings", "quantization_config", "torch_dtype", "dtype"):
-            if raw.get(key) is not None:
-                merged[key] = raw[key]
-        return merged
+        return multimodal_text_config(raw, where)
 
     def stored_names(self, names: List[str]) -> Dict[str, str]:
-        return {"model." + name[len(self._STORED):]: name for name in names if name.startswith(self._STORED)}
+        return language_model_names(names)
+
+
+def multimodal_text_config(raw: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """The decoder's settings of a Gemma multimodal config.json: `text_config` with the outer dtype, tying and
+    quantization."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelFormatError(f"{where}: a {raw.get('model_type')} config.json must hold the text model's settings "
+                               "in text_config.")
+    merged = dict(text, model_type=raw["model_type"], architectures=raw.get("architectures") or [])
+    for key in ("tie_word_embeddings", "quantization_config", "torch_dtype", "dtype"):
+        if raw.get(key) is not None:
+            merged[key] = raw[key]
+    return merged
+
+
+def language_model_names(names: List[str]) -> Dict[str, str]:
+    """Engine names of the text model's tensors stored under `model.language_model.` (towers are left out)."""
+    stored = "model.language_model."
+    return {"model." + name[len(stored):]: name for name in names if name.startswith(stored)}
 
 
 register(Gemma4())
