@@ -225,6 +225,57 @@ def test_fixture_is_sensitive(name: str, field: str, value, archs, ours) -> None
     assert row_rel_err(model.forward(ids, model.new_cache(), last_only=False), base) > 1e-2
 
 
+def test_gemma3n_features_are_read(archs, ours) -> None:
+    m = ours("gemma3n").model
+    assert m.windows == (8, 8, None, 8, 8, None) and m.kv_sources == [None, None, None, None, 3, 2]
+    assert m.intermediates == [96, 128, 96, 128, 96, 128] and m.sparsity == [0.95, 0.95, 0.0, 0.0, 0.0, 0.0]
+    assert m.scale == 1.0 and m.features.final_softcap == 30.0 and m.streams is not None
+    assert len(m.streams.projections) == 3 and all(layer.wrap is not None and layer.laurel is not None
+                                                   for layer in m.layers)
+    assert m.features.ropes[0].theta == 10000.0 and m.features.ropes[2].theta == 1e6
+    assert m.per_layer_embedding.embed.shape[0] == archs.get("gemma3n").vocab_size - 40
+    mm = ours("gemma3n_mm")
+    assert mm.config.architecture == "Gemma3nForConditionalGeneration"
+    assert all(torch.isfinite(t).all() for layer in mm.model.layers for t in layer.tensors()
+               if isinstance(t, torch.Tensor))
+
+
+def _gemma3n_without(model: Model, piece: str) -> None:
+    if piece == "laurel":
+        for layer in model.layers:
+            layer.laurel = None
+    elif piece == "sparsity":
+        model.sparsity = [0.0] * len(model.layers)
+    elif piece == "altup":
+        for layer in model.layers:  # the layer's innovation reaches no other stream
+            layer.wrap.correction = torch.full_like(layer.wrap.correction, -1.0)
+    elif piece == "ple_vocab":  # ids past the per-layer table read their own (wrapped) row instead of row 0
+        e = model.per_layer_embedding
+        e.embed = torch.cat([e.embed, e.embed[1:41]])
+
+
+@pytest.mark.parametrize("piece", ["laurel", "sparsity", "altup", "ple_vocab"])
+def test_gemma3n_fixture_is_sensitive(piece: str, archs, ours) -> None:
+    """Without each Gemma 3n piece the logits move by more than 1%, so the oracle tests above do test it (the
+    prompt holds ids past the per-layer table)."""
+    built, lm = archs.get("gemma3n"), ours("gemma3n")
+    ids = prompt_ids(built, 40, seed=1)
+    ids[0, 5:9] = torch.tensor([built.vocab_size - 1, built.vocab_size - 2, built.vocab_size - 3, built.vocab_size - 4])
+    base = lm.model.forward(ids, lm.model.new_cache(), last_only=False)
+    model = load_model(built.path, device="cpu", max_seq_len=MAX_SEQ).model
+    _gemma3n_without(model, piece)
+    assert row_rel_err(model.forward(ids, model.new_cache(), last_only=False), base) > 1e-2
+
+
+def test_gemma3n_ids_past_the_per_layer_table_match_transformers(archs, ours, hf) -> None:
+    built, lm = archs.get("gemma3n"), ours("gemma3n")
+    ids = prompt_ids(built, 20, seed=3)
+    ids[0, 4:8] = torch.arange(built.vocab_size - 4, built.vocab_size)
+    got = lm.model.forward(ids, lm.model.new_cache(), last_only=False)
+    with torch.no_grad():
+        assert row_rel_err(got, hf("gemma3n")(ids).logits) < LOGITS_RTOL
+
+
 def test_partial_rope_and_k_eq_v_matter(archs, hf) -> None:
     """transformers itself moves by more than 1% with full RoPE on the global layers, or with a v_proj of their own
     in place of the keys' projection."""
