@@ -295,6 +295,24 @@ def test_partial_rope_and_k_eq_v_matter(archs, hf) -> None:
             assert row_rel_err(hf_load(folder)(ids).logits, base) > 1e-2
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_united_accepts_the_folder_and_the_planner_counts_it(name: str, archs, ours) -> None:
+    """United's folder check reads a multimodal folder's text model; the split planner counts the per-layer
+    embeddings and AltUp projections beside the embedding and no cache for KV-sharing layers (the loaded model
+    holds a few hundred bytes more: value norms of ones, layer scalars, AltUp output scales)."""
+    from kobold_backend.engine.device_map import checkpoint_shapes, config_shapes, plan_device_map
+    from kobold_backend.host.backend import check_model_folder
+
+    built, lm = archs.get(name), ours(name)
+    assert check_model_folder(built.path) is None
+    if name != "gemma3n_mm":  # its folder also holds (NaN) tower tensors the engine never reads
+        assert config_shapes(ModelConfig.from_dir(built.path)) == checkpoint_shapes(built.path)
+    dm = plan_device_map(built.path, None, MAX_SEQ, layer_counts={"cpu": lm.config.num_layers})
+    (usage,) = dm.usage
+    assert 0 <= lm.model.nbytes - usage.weight_bytes < 0.002 * lm.model.nbytes
+    assert usage.cache_bytes == lm.model.new_cache().nbytes
+
+
 def _config(**changes) -> dict:
     return dict(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], hidden_size=64, intermediate_size=96,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,

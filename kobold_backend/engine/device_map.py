@@ -42,6 +42,7 @@ class PlanError(KoboldBackendError, ValueError):
 def checkpoint_shapes(folder: Union[str, Path]) -> Shapes:
     """Every tensor's shape from the safetensors headers; no tensor data is read."""
     with WeightReader(folder) as reader:
+        reader.rename(ModelConfig.from_dir(folder).description.stored_names(reader.names()))
         return {name: reader.shape(name) for name in reader.names()}
 
 
@@ -53,11 +54,13 @@ def config_shapes(config: ModelConfig) -> Shapes:
     shapes: Shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
+    shapes.update(config.description.model_tensors(config))
     for i in range(config.num_layers):
         p = f"model.layers.{i}"
         layout = config.description.layout(config, i)
         for ckpt, size in layout.norms.values():
             shapes[f"{p}.{ckpt}.weight"] = (size,)
+        shapes.update({f"{p}.{name}": shape for name, shape in config.description.layer_tensors(config, i).items()})
         for name, lin in {**layout.linears, **layout.mlp_linears}.items():
             k, n = lin.in_features, lin.out_features
             if name in layout.biased:
@@ -148,10 +151,15 @@ class Sizes:
                 total += _numel(shape) * elem
         return total
 
-    def cache(self, elem: int) -> int:
-        """K and V of one layer for max_seq_len positions, in the layer's dtype (`elem` bytes) or quantized."""
+    def cache(self, elem: int, index: int = 0) -> int:
+        """K and V of layer `index` for max_seq_len positions, in the layer's dtype (`elem` bytes) or quantized;
+        none for a layer that reads an earlier layer's cache (Gemma 4 / 3n KV sharing)."""
         c = self.config
-        per_token = cache_bytes_per_token(self.cache_dtype, c.num_kv_heads, c.head_dim, elem)
+        if c.features is not None and c.layer_kv_source(index) is not None:
+            return 0
+        heads, dim = (c.layer_kv_heads(index), c.layer_head_dim(index)) if c.features is not None else \
+            (c.num_kv_heads, c.head_dim)
+        per_token = cache_bytes_per_token(self.cache_dtype, heads, dim, elem)
         return self.batch_size * self.max_seq_len * per_token
 
     def rope(self, elem: int) -> int:
@@ -160,7 +168,9 @@ class Sizes:
         return 2 * self.max_seq_len * self.config.head_dim * elem * tables
 
     def embed(self, elem: int) -> int:
-        return _numel(self._shape("model.embed_tokens.weight")) * elem
+        """The embedding and the model-level tensors loaded beside it (per-layer embeddings, AltUp projections)."""
+        extra = self.config.description.model_tensors(self.config) if self.config.arch is not None else {}
+        return sum(_numel(self._shape(name)) for name in ["model.embed_tokens.weight", *extra]) * elem
 
     def tied(self) -> bool:
         return self.config.tie_word_embeddings or not any(
@@ -424,7 +434,7 @@ def _fill(sizes: Sizes, limits: Dict[str, int], gpus: List[str], head: str, cpu_
     if not gpus and cpu_layers is None:
         raise PlanError("no GPU budget was given; give GPU budgets, or cpu_layers='auto' to run on the CPU")
     e = _elem(gpu_dtype)
-    per_layer = max(sizes.layer(i, e) for i in range(n_layers)) + sizes.cache(e)
+    per_layer = max(sizes.layer(i, e) + sizes.cache(e, i) for i in range(n_layers))
     first_layer_extra = sizes.working(e) + sizes.rope(e)
     embed_dev = "cpu" if embed_on_cpu or head == "cpu" else head
     used = {d: 0 for d in gpus}
@@ -484,7 +494,7 @@ def _account(sizes: Sizes, layer_devices: List[str], head: str, embed_on_cpu: bo
             u.buffer_bytes += sizes.working(e) + sizes.rope(e)
         u.layers.append(i)
         u.weight_bytes += sizes.layer(i, e)
-        u.cache_bytes += sizes.cache(e)
+        u.cache_bytes += sizes.cache(e, i)
     w, b = _head_bytes(sizes, head, embed_dev, gpu_dtype)
     usage[head].weight_bytes += w
     usage[head].buffer_bytes += b

@@ -86,6 +86,7 @@ def check_model_folder(path: Path) -> Optional[str]:
         return str(exc)
     if not ((path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()):
         return f"{path} has no tokenizer.json or tokenizer.model"
+    names.update(config.description.stored_names(sorted(names)))
     if "model.embed_tokens.weight" not in names:
         return f"{path} has no model.embed_tokens.weight tensor"
     first = next(iter(config.description.layout(config, 0).linears.values()))  # q_proj, or Phi-3's qkv_proj

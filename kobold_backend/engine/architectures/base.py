@@ -122,6 +122,16 @@ class Architecture:
         `out_scale`), read through the same per-layer `loader`. Default: none."""
         return {}
 
+    def model_tensors(self, config: ConfigData) -> Dict[str, Tuple[int, ...]]:
+        """Model-level tensors the hooks below read beside the embedding (name -> shape), for the split planner and
+        `config_shapes`. Default: none."""
+        return {}
+
+    def layer_tensors(self, config: ConfigData, index: int) -> Dict[str, Tuple[int, ...]]:
+        """Tensors under `model.layers.N.` that `layer_extras` reads beyond the layout (name -> shape), for
+        `config_shapes`. Default: none."""
+        return {}
+
     def residual_streams(self, loader: Any, config: ConfigData) -> Optional[Any]:
         """Hook for parallel residual streams around the layers (engine/altup.py `AltUpStreams`: `expand(h)` before
         the first layer, `collapse(streams)` after the last), read like `per_layer_embedding`. Default: none."""

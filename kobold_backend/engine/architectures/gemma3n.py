@@ -14,7 +14,7 @@ loaded (`text_config`, tensors under `model.language_model.`); the vision and au
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -47,6 +47,7 @@ def _per_layer_floats(raw: Dict[str, Any], key: str, n: int, default: List[float
 class Gemma3n(Gemma4):
     model_types = ("gemma3n_text",)
     class_names = ("Gemma3nForCausalLM",)
+    ple_default = 256
 
     def text_config(self, raw: Dict[str, Any], where: str) -> Dict[str, Any]:
         """A list `intermediate_size` (one per layer) becomes its largest entry, the list kept per layer."""
@@ -94,7 +95,7 @@ class Gemma3n(Gemma4):
         from kobold_backend.engine.per_layer_input import PerLayerGate
 
         h, raw, eps = config.hidden_size, config.raw, config.rms_norm_eps
-        n, rank, dim = int(raw.get("altup_num_inputs", 4)), int(raw.get("laurel_rank", 64)), _ple_dim(config)
+        n, rank, dim = int(raw.get("altup_num_inputs", 4)), int(raw.get("laurel_rank", 64)), self.ple_dim(config)
         extras: Dict[str, Any] = {}
         if config.layer_kv_source(index) is None:
             extras["v_norm"] = torch.ones(config.head_dim, device=loader.device, dtype=loader.dtype)
@@ -112,16 +113,30 @@ class Gemma3n(Gemma4):
             int(raw.get("altup_active_idx", 0)), eps)
         return extras
 
+    def model_tensors(self, config: ConfigData) -> Dict[str, Tuple[int, ...]]:
+        h, n = config.hidden_size, int(config.raw.get("altup_num_inputs", 4))
+        own = dict(super().model_tensors(config))
+        for i in range(n - 1):
+            own[f"model.altup_projections.{i}.weight"] = (h, h)
+            own[f"model.altup_unembed_projections.{i}.weight"] = (h, h)
+        return own
+
+    def layer_tensors(self, config: ConfigData, index: int) -> Dict[str, Tuple[int, ...]]:
+        h, raw = config.hidden_size, config.raw
+        n, rank = int(raw.get("altup_num_inputs", 4)), int(raw.get("laurel_rank", 64))
+        own = {k: v for k, v in super().layer_tensors(config, index).items() if k != "layer_scalar"}
+        own.update({"laurel.linear_left.weight": (rank, h), "laurel.linear_right.weight": (h, rank),
+                    "laurel.post_laurel_norm.weight": (h,), "altup.correct_output_scale": (h,),
+                    "altup.correction_coefs.weight": (n, n), "altup.prediction_coefs.weight": (n * n, n),
+                    "altup.modality_router.weight": (n, h), "altup.router_norm.weight": (h,)})
+        return own
+
     def residual_streams(self, loader: Any, config: ConfigData) -> Optional[Any]:
         from kobold_backend.engine.altup import AltUpStreams
 
         h, n = config.hidden_size, int(config.raw.get("altup_num_inputs", 4))
         return AltUpStreams([loader.linear(f"altup_projections.{i}", h, h) for i in range(n - 1)],
                             [loader.linear(f"altup_unembed_projections.{i}", h, h) for i in range(n - 1)])
-
-
-def _ple_dim(config: ConfigData) -> int:
-    return int(config.raw.get("hidden_size_per_layer_input", 256))
 
 
 class Gemma3nMultimodal(Gemma3n):

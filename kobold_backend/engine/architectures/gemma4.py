@@ -96,6 +96,12 @@ def _kv_sources(raw: Dict[str, Any], types: List[str], where: str) -> Tuple[Opti
 class Gemma4(Architecture):
     model_types = ("gemma4_text",)
     class_names = ("Gemma4ForCausalLM",)
+    #: `hidden_size_per_layer_input` when config.json leaves it out (0: no per-layer embeddings)
+    ple_default = 0
+
+    def ple_dim(self, config: ConfigData) -> int:
+        value = config.raw.get("hidden_size_per_layer_input", self.ple_default)
+        return int(value or 0)
 
     def features(self, raw: Dict[str, Any], config: ConfigData, where: str) -> Features:
         if raw.get("enable_moe_block"):
@@ -172,17 +178,34 @@ class Gemma4(Architecture):
             extras["v_norm"] = torch.ones(hd, device=loader.device, dtype=loader.dtype)
         if loader.has("layer_scalar"):
             extras["out_scale"] = loader.dense("layer_scalar", (1,))
-        dim = _ple_dim(config)
+        dim = self.ple_dim(config)
         if dim:
             extras["per_layer_gate"] = PerLayerGate(
                 loader.linear("per_layer_input_gate", h, dim), loader.linear("per_layer_projection", dim, h),
                 loader.dense("post_per_layer_input_norm.weight", (h,)), config.rms_norm_eps)
         return extras
 
+    def model_tensors(self, config: ConfigData) -> Dict[str, Tuple[int, ...]]:
+        dim, n, h = self.ple_dim(config), config.num_layers, config.hidden_size
+        if not dim:
+            return {}
+        vocab = int(config.raw.get("vocab_size_per_layer_input") or config.vocab_size)
+        return {"model.embed_tokens_per_layer.weight": (vocab, n * dim),
+                "model.per_layer_model_projection.weight": (n * dim, h),
+                "model.per_layer_projection_norm.weight": (dim,)}
+
+    def layer_tensors(self, config: ConfigData, index: int) -> Dict[str, Tuple[int, ...]]:
+        dim, h = self.ple_dim(config), config.hidden_size
+        own: Dict[str, Tuple[int, ...]] = {"layer_scalar": (1,)}
+        if dim:
+            own.update({"per_layer_input_gate.weight": (dim, h), "per_layer_projection.weight": (h, dim),
+                        "post_per_layer_input_norm.weight": (h,)})
+        return own
+
     def per_layer_embedding(self, loader: Any, config: ConfigData) -> Optional[Any]:
         from kobold_backend.engine.per_layer_input import PerLayerEmbedding
 
-        dim = _ple_dim(config)
+        dim = self.ple_dim(config)
         if not dim:
             return None
         n, vocab = config.num_layers, int(config.raw.get("vocab_size_per_layer_input") or config.vocab_size)
@@ -191,10 +214,6 @@ class Gemma4(Architecture):
             embed, float(torch.tensor(dim ** 0.5, dtype=embed.dtype)),
             loader.linear("per_layer_model_projection", config.hidden_size, n * dim),
             loader.dense("per_layer_projection_norm.weight", (dim,)), n, dim, config.rms_norm_eps)
-
-
-def _ple_dim(config: ConfigData) -> int:
-    return int(config.raw.get("hidden_size_per_layer_input") or 0)
 
 
 class Gemma4Multimodal(Gemma4):
