@@ -123,7 +123,8 @@ def _keep_layers(model: Model, keep: List[int]) -> None:
     """Cut the model down to the layers `keep` (a sharing layer's source renumbered)."""
     where = {old: new for new, old in enumerate(keep)}
     model.kv_sources = [None if model.kv_sources[i] is None else where[model.kv_sources[i]] for i in keep]
-    for name in ("layers", "cos", "sin", "rope_factors", "head_dims", "kv_heads", "intermediates"):
+    for name in ("layers", "cos", "sin", "rope_factors", "head_dims", "kv_heads", "intermediates", "sparsity",
+                 "sparse_cut"):
         setattr(model, name, [getattr(model, name)[i] for i in keep])
     model.windows = tuple(model.windows[i] for i in keep)
 

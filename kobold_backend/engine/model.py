@@ -66,13 +66,20 @@ def rope_rows(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: Union[
     return (qf * c + rotate_half(qf) * s).to(q.dtype)
 
 
-def gaussian_top(gate: torch.Tensor, sparsity: float) -> torch.Tensor:
-    """Gemma 3n's activation sparsity: keep what lies above mean + std * Phi^-1(sparsity) of each row (the part a
-    normal distribution puts in its top 1 - sparsity), shifted down by that cutoff, zero elsewhere."""
-    multiplier = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(sparsity, dtype=torch.float32))
+def std_multiplier(sparsity: float) -> float:
+    """Phi^-1(sparsity): how many standard deviations above the mean Gemma 3n's sparse gate cuts (0 when dense)."""
+    if sparsity <= 0.0:
+        return 0.0
+    return float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(sparsity, dtype=torch.float32)))
+
+
+def gaussian_top(gate: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """Gemma 3n's activation sparsity: keep what lies above mean + std * multiplier of each row (the part a normal
+    distribution puts in its top 1 - sparsity), shifted down by that cutoff, zero elsewhere. `multiplier` is a host
+    float (std_multiplier), so a CUDA graph captures no host-to-device copy."""
     mean = gate.mean(-1, keepdim=True)
     std = gate.std(-1, keepdim=True, unbiased=False)
-    return torch.relu(gate - (mean + std * multiplier.to(device=gate.device, dtype=gate.dtype)))
+    return torch.relu(gate - (mean + std * multiplier))
 
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -238,6 +245,7 @@ class Model:
         self.intermediates = [config.layer_intermediate(i) for i in range(n)]
         self.kv_sources = [config.layer_kv_source(i) for i in range(n)]
         self.sparsity = list(self.features.activation_sparsity) or [0.0] * n
+        self.sparse_cut = [std_multiplier(s) for s in self.sparsity]
         self.rope_factors = [rope.attention_factor for rope in self.features.ropes]
         self.activation = ACTIVATIONS[self.features.activation]
         scale = self.features.embed_scale
@@ -416,7 +424,7 @@ class Model:
             inter = self.intermediates[index]
             gate, up = self._projs(index, layer, "gate_up_proj", GATE_UP, (inter, inter), x, passthrough)
             if self.sparsity[index] > 0.0:
-                gate = gaussian_top(gate, self.sparsity[index])
+                gate = gaussian_top(gate, self.sparse_cut[index])
             out = self._proj(index, layer, "down_proj", self.activation(gate, up), passthrough)
         if layer.mlp_out_norm is not None:
             out = ops.rms_norm(out, layer.mlp_out_norm, eps)
