@@ -334,20 +334,23 @@ def test_refused_in_one_sentence(changes, words) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# GPU: native kernels in float16 (head sizes 32 and 64 here; 256 and 512 in the released models).
+# GPU: native kernels (head sizes 32/64 and, in gemma4_wide, the released 256/512), eager prefill and 8 decode steps
+# then CUDA-graph decode, teacher-forced along transformers' greedy path: float32 at the CPU bound, float16 within
+# 5e-3 (Gemma 3n's fixture, whose sparsity cutoffs amplify rounding, within 2e-2).
 
-GPU_RTOL = 5e-3
+GPU_RTOL = {"float32": 1e-4, "float16": 5e-3}
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("name", ALL)
-def test_gpu_fp16_matches_transformers(name: str, archs, hf, record_property) -> None:
+def test_gpu_matches_transformers(name: str, dtype: str, archs, hf, record_property) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     from kobold_backend.engine.decode_graph import GraphDecoder
 
     built = archs.get(name)
-    lm = load_model(built.path, device="cuda", dtype="float16", max_seq_len=MAX_SEQ)
+    lm = load_model(built.path, device="cuda", dtype=dtype, max_seq_len=MAX_SEQ)
     ref_model = hf(name)
     prompt = prompt_ids(built, 20, seed=10)
     cache = lm.model.new_cache()
@@ -361,7 +364,8 @@ def test_gpu_fp16_matches_transformers(name: str, archs, hf, record_property) ->
         ref, past = hf_step(ref_model, token, past)
         errs.append(row_rel_err(got.float().cpu(), ref[0, -1]))
     record_property("max_rel_err", max(errs))
-    assert max(errs) < GPU_RTOL, f"{name}: max relative logit error {max(errs):.3e}"
+    bound = 2e-2 if dtype == "float16" and name.startswith("gemma3n") else GPU_RTOL[dtype]
+    assert max(errs) < bound, f"{name} {dtype}: max relative logit error {max(errs):.3e}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
