@@ -314,6 +314,29 @@ def test_united_accepts_the_folder_and_the_planner_counts_it(name: str, archs, o
     assert usage.cache_bytes == lm.model.new_cache().nbytes
 
 
+@pytest.mark.parametrize("name", ["gemma4_mm", "gemma3n_mm"])
+def test_server_runs_the_text_model_and_refuses_images_and_audio(name: str, archs) -> None:
+    """A multimodal Gemma folder served: /api/v1/model names the class, text completes, a chat asking for an image
+    or audio is refused in one sentence (the engine loads no vision or audio tower)."""
+    from kobold_backend.server import ServerConfig, create_app
+    from tests.server_helpers import make_holder
+
+    app = create_app(ServerConfig(), make_holder(archs.get(name).path, context=MAX_SEQ))
+    try:
+        c = app.test_client()
+        assert c.get("/api/v1/model").get_json()["architecture"].endswith("ForConditionalGeneration")
+        ok = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200 and ok.get_json()["usage"]["completion_tokens"] == 2
+        for part in ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                     {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}):
+            out = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"}, part]}], "max_tokens": 2})
+            message = out.get_json()["error"]["message"]
+            assert out.status_code == 400 and "supported" in message and "\n" not in message, message
+    finally:
+        app.extensions["kobold_backend"].close()
+
+
 def _config(**changes) -> dict:
     return dict(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], hidden_size=64, intermediate_size=96,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,
