@@ -428,3 +428,21 @@ def test_chat_template_renders_as_transformers(messages, spm_dir, tmp_path) -> N
     assert text == hf_render(folder, messages, tokenize=False) and text.endswith("<turn|>\n<|turn>model\n")
     assert "thought" not in text
     assert formatter.encode(text) == list(hf_render(folder, messages, tokenize=True))
+
+
+@pytest.mark.parametrize("name", ["gemma4_e", "gemma3n"])
+def test_embedding_on_another_device_than_the_layers(name: str, archs, ours) -> None:
+    """Per-layer inputs and AltUp streams are made beside the embedding and cross to the layers and back: with the
+    embedding (and them) in float64 the logits stay those of the plain load, to float32 rounding."""
+    lm = ours(name)
+    ids = prompt_ids(archs.get(name), 24, seed=9)
+    base = lm.model.forward(ids, lm.model.new_cache(), last_only=False)
+    model = load_model(archs.get(name).path, device="cpu", max_seq_len=MAX_SEQ).model
+    model.embed_tokens = model.embed_tokens.double()
+    ple = model.per_layer_embedding
+    ple.embed, ple.projection, ple.norm = ple.embed.double(), ple.projection.double(), ple.norm.double()
+    if model.streams is not None:
+        model.streams.projections = [w.double() for w in model.streams.projections]
+        model.streams.unprojections = [w.double() for w in model.streams.unprojections]
+        model.streams.dtype = torch.float64
+    assert row_rel_err(model.forward(ids, model.new_cache(), last_only=False), base) < LOGITS_RTOL

@@ -35,12 +35,15 @@ def _rescaled(x: torch.Tensor, rms: torch.Tensor) -> torch.Tensor:
 class AltUpStreams:
     projections: List[Weight]  # n - 1 of [hidden, hidden]: embedding -> stream i
     unprojections: List[Weight]  # n - 1 of [hidden, hidden]: stream i -> output
+    device: torch.device  # where the projections live (the embedding's device)
+    dtype: torch.dtype
 
     def expand(self, h: torch.Tensor) -> torch.Tensor:
         rms = torch.mean(h ** 2, dim=-1, keepdim=True) ** 0.5
         return torch.stack([h] + [_rescaled(project(h, w).to(h.dtype), rms) for w in self.projections])
 
     def collapse(self, streams: torch.Tensor) -> torch.Tensor:
+        streams = streams.to(device=self.device, dtype=self.dtype)  # from the last layer's device
         rms = torch.mean(streams[0] ** 2, dim=-1, keepdim=True) ** 0.5
         outs = [streams[0]] + [_rescaled(project(s, w).to(s.dtype), rms)
                                for s, w in zip(streams[1:], self.unprojections)]

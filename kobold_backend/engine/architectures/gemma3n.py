@@ -136,7 +136,8 @@ class Gemma3n(Gemma4):
 
         h, n = config.hidden_size, int(config.raw.get("altup_num_inputs", 4))
         return AltUpStreams([loader.linear(f"altup_projections.{i}", h, h) for i in range(n - 1)],
-                            [loader.linear(f"altup_unembed_projections.{i}", h, h) for i in range(n - 1)])
+                            [loader.linear(f"altup_unembed_projections.{i}", h, h) for i in range(n - 1)],
+                            loader.device, loader.dtype)
 
 
 class Gemma3nMultimodal(Gemma3n):
