@@ -149,6 +149,11 @@ class Sizes:
                 total += self._exl2(name[: -len(".q_weight")])
             elif name.endswith((".weight", ".bias")):
                 total += _numel(shape) * elem
+        # tensors a description reads beyond `.weight`/`.bias` names (Gemma 4's stacked experts, layer scalars)
+        if self.config.arch is not None:
+            for name in self.config.description.layer_tensors(self.config, index):
+                if not name.endswith((".weight", ".bias")) and p + name in self.shapes:
+                    total += _numel(self.shapes[p + name]) * elem
         return total
 
     def cache(self, elem: int, index: int = 0) -> int:

@@ -14,7 +14,9 @@ The released checkpoints are multimodal (`gemma4`, Gemma4ForConditionalGeneratio
 under `text_config` and its tensors under `model.language_model.`; only the text model is loaded (no vision or
 audio tower), so image and audio inputs are refused by the server as for any text model.
 
-Refused: the mixture-of-experts block (`enable_moe_block`, Gemma 4 26B-A4B) and bidirectional attention.
+- the mixture-of-experts block (`enable_moe_block`, 26B-A4B: engine/gemma4_moe.py) beside the dense MLP.
+
+Refused: bidirectional attention.
 """
 
 from __future__ import annotations
@@ -105,8 +107,11 @@ class Gemma4(Architecture):
 
     def features(self, raw: Dict[str, Any], config: ConfigData, where: str) -> Features:
         if raw.get("enable_moe_block"):
-            raise ModelFormatError(f"{where}: Gemma 4's mixture-of-experts block (enable_moe_block, the 26B-A4B "
-                                   "model) is not supported; the dense Gemma 4 models are.")
+            for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+                value = raw.get(key)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ModelFormatError(f"{where}: enable_moe_block needs a positive whole {key}, found "
+                                           f"{value!r}.")
         if raw.get("use_bidirectional_attention") == "all":
             raise ModelFormatError(f"{where}: use_bidirectional_attention 'all' is not supported; this engine "
                                    "decodes causally.")
@@ -161,9 +166,34 @@ class Gemma4(Architecture):
             if not self._k_eq_v(config, index):
                 linears["v_proj"] = Linear("self_attn.v_proj", h, kvd)
             norms["k_norm"] = ("self_attn.k_norm", hd)
-        linears.update(o_proj=Linear("self_attn.o_proj", qd, h), gate_proj=Linear("mlp.gate_proj", h, inter),
-                       up_proj=Linear("mlp.up_proj", h, inter), down_proj=Linear("mlp.down_proj", inter, h))
-        return LayerLayout(linears, norms, config.features.biases)
+        linears["o_proj"] = Linear("self_attn.o_proj", qd, h)
+        dense = {"gate_proj": Linear("mlp.gate_proj", h, inter), "up_proj": Linear("mlp.up_proj", h, inter),
+                 "down_proj": Linear("mlp.down_proj", inter, h)}
+        if not config.raw.get("enable_moe_block"):
+            linears.update(dense)
+            return LayerLayout(linears, norms, config.features.biases)
+        # the MoE block loads the dense MLP and its norms itself (build_mlp); the layer norms without a weight
+        del norms["post_norm"]
+        e = int(config.raw["num_experts"])
+        dense["router"] = Linear("router.proj", h, e, quantized=False)
+        return LayerLayout(linears, norms, config.features.biases, mlp_linears=dense)
+
+    def build_mlp(self, loader: Any, config: ConfigData, index: int) -> Optional[Any]:
+        if not config.raw.get("enable_moe_block"):
+            return None
+        from kobold_backend.engine.gemma4_moe import Gemma4MoE
+
+        h, inter, raw = config.hidden_size, config.layer_intermediate(index), config.raw
+        e, moe = int(raw["num_experts"]), int(raw["moe_intermediate_size"])
+        return Gemma4MoE(
+            loader.linear("mlp.gate_proj", h, inter), loader.linear("mlp.up_proj", h, inter),
+            loader.linear("mlp.down_proj", inter, h), loader.dense("pre_feedforward_layernorm.weight", (h,)),
+            loader.dense("post_feedforward_layernorm_1.weight", (h,)), loader.dense("router.proj.weight", (e, h)),
+            loader.dense("router.scale", (h,)), loader.dense("router.per_expert_scale", (e,)),
+            loader.dense("pre_feedforward_layernorm_2.weight", (h,)),
+            loader.dense("post_feedforward_layernorm_2.weight", (h,)),
+            loader.dense("experts.gate_up_proj", (e, 2 * moe, h)), loader.dense("experts.down_proj", (e, h, moe)),
+            int(raw["top_k_experts"]), config.rms_norm_eps)
 
     @staticmethod
     def _k_eq_v(config: ConfigData, index: int) -> bool:
@@ -176,6 +206,8 @@ class Gemma4(Architecture):
         extras: Dict[str, Any] = {}
         if config.layer_kv_source(index) is None:
             extras["v_norm"] = torch.ones(hd, device=loader.device, dtype=loader.dtype)
+        if config.raw.get("enable_moe_block"):  # the MoE block applies each branch's norm weight itself
+            extras["post_norm"] = torch.ones(h, device=loader.device, dtype=loader.dtype)
         if loader.has("layer_scalar"):
             extras["out_scale"] = loader.dense("layer_scalar", (1,))
         dim = self.ple_dim(config)
@@ -195,8 +227,14 @@ class Gemma4(Architecture):
                 "model.per_layer_projection_norm.weight": (dim,)}
 
     def layer_tensors(self, config: ConfigData, index: int) -> Dict[str, Tuple[int, ...]]:
-        dim, h = self.ple_dim(config), config.hidden_size
+        dim, h, raw = self.ple_dim(config), config.hidden_size, config.raw
         own: Dict[str, Tuple[int, ...]] = {"layer_scalar": (1,)}
+        if raw.get("enable_moe_block"):
+            e, moe = int(raw["num_experts"]), int(raw["moe_intermediate_size"])
+            own.update({"pre_feedforward_layernorm.weight": (h,), "router.scale": (h,),
+                        "router.per_expert_scale": (e,), "experts.gate_up_proj": (e, 2 * moe, h),
+                        "experts.down_proj": (e, h, moe), "post_feedforward_layernorm_1.weight": (h,),
+                        "post_feedforward_layernorm_2.weight": (h,), "pre_feedforward_layernorm_2.weight": (h,)})
         if dim:
             own.update({"per_layer_input_gate.weight": (dim, h), "per_layer_projection.weight": (h, dim),
                         "post_per_layer_input_norm.weight": (h,)})
