@@ -1,9 +1,12 @@
-"""Gemma 4 (text) against transformers (CPU, float32): logits, greedy decoding, the cache features and refusals.
+"""Gemma 4 and Gemma 3n (text) against transformers (CPU, float32): logits, greedy decoding, the cache features,
+the hosts and refusals.
 
-Fixtures are built by transformers' own Gemma4TextConfig and Gemma4ForCausalLM (tests/fixtures/gemma4_checkpoints.py):
+Fixtures are built by transformers' own config and model classes (tests/fixtures/gemma4_checkpoints.py):
 `gemma4_e` has per-layer embeddings, KV sharing, a double-wide MLP on the sharing layers and wide global heads with
 partial RoPE; `gemma4_dense` has global layers whose values are their keys' projection (attention_k_eq_v) and a
-config.json in the Hub's spelling. Both have a sliding window of 8, shorter than every prompt here.
+config.json in the Hub's spelling; `gemma4_wide` the released head sizes; `gemma4_moe` the 26B-A4B block;
+`gemma3n` AltUp, Laurel, activation sparsity and a short per-layer table; `*_mm` the multimodal folder layouts.
+All have a sliding window of 8, shorter than every prompt here.
 """
 
 from __future__ import annotations
