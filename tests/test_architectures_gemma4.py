@@ -5,7 +5,8 @@ Fixtures are built by transformers' own config and model classes (tests/fixtures
 `gemma4_e` has per-layer embeddings, KV sharing, a double-wide MLP on the sharing layers and wide global heads with
 partial RoPE; `gemma4_dense` has global layers whose values are their keys' projection (attention_k_eq_v) and a
 config.json in the Hub's spelling; `gemma4_wide` the released head sizes; `gemma4_moe` the 26B-A4B block;
-`gemma3n` AltUp, Laurel, activation sparsity and a short per-layer table; `*_mm` the multimodal folder layouts.
+`gemma4_wide_shared` KV sharing over 512-wide global heads; `gemma3n` AltUp, Laurel, activation sparsity and a
+short per-layer table; `*_mm` the multimodal folder layouts.
 All have a sliding window of 8, shorter than every prompt here.
 """
 
@@ -120,6 +121,28 @@ def test_graph_step_matches_forward(name: str, archs, ours) -> None:
         graphy.seq_len = pos + 1
         assert row_rel_err(got, ref) < REUSE_RTOL, step
         token = ref.argmax().view(1, 1)
+
+
+def test_multi_row_decode_step_with_shared_kv_and_wide_heads(archs, hf) -> None:
+    """Five rows fed at a device position in one decode_step (a speculative verification): KV-sharing layers (their
+    queries rotated for T device positions, no cache write) over 512-wide global and 256-wide local caches, past the
+    window, give the prompt forward's logits, which match transformers'."""
+    name = "gemma4_wide_shared"
+    built = archs.get(name)
+    model = load_model(built.path, device="cpu", max_seq_len=MAX_SEQ).model
+    wide = [i for i, d in enumerate(model.head_dims) if d == 512]
+    shared = [i for i, src in enumerate(model.kv_sources) if src is not None]
+    assert wide and shared and any(model.kv_sources[i] in wide for i in shared)
+    ids = prompt_ids(built, 45, seed=13)
+    eager, rows = model.new_cache(), model.new_cache()
+    for cache in (eager, rows):
+        model.forward(ids[:, :40], cache)
+    want = model.forward(ids[:, 40:], eager, last_only=False)
+    got = model.decode_step(ids[:, 40:], torch.tensor([40]), rows, MAX_SEQ)
+    assert row_rel_err(got, want) < REUSE_RTOL
+    with torch.no_grad():
+        ref = hf(name)(ids).logits[:, 40:]
+    assert row_rel_err(want, ref) < LOGITS_RTOL
 
 
 def _keep_layers(model: Model, keep: List[int]) -> None:
