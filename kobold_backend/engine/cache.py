@@ -2,11 +2,13 @@
 
 K and V are kept in the layer's dtype ('fp16', the default) or quantized to 8 or 4 bits (ops/kv_quant.py: groups
 of 32 values per position and head, Hadamard-rotated, one fp16 scale each); keys and values may differ.
+Layers may differ in KV heads and head size (Gemma 4), and a layer may share an earlier layer's buffers (Gemma 4's
+KV sharing: `sources[i]` names the layer whose K/V layer i reads; its entries are that layer's own objects).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -54,6 +56,10 @@ def buffer_bytes(t: Any) -> int:
     return t.nbytes if isinstance(t, QuantizedKV) else t.numel() * t.element_size()
 
 
+def _per_layer(value: Union[int, Sequence[int]], n: int) -> Sequence[int]:
+    return (value,) * n if isinstance(value, int) else value[:n]
+
+
 class KVCache:
     """K and V of every layer as [batch, kv_heads, max_seq_len, head_dim], plus the ids they hold.
 
@@ -69,13 +75,14 @@ class KVCache:
         self,
         num_layers: int,
         batch_size: int,
-        num_kv_heads: int,
+        num_kv_heads: Union[int, Sequence[int]],
         max_seq_len: int,
-        head_dim: int,
+        head_dim: Union[int, Sequence[int]],
         dtypes: Sequence[torch.dtype],
         devices: Sequence[torch.device | str],
         cache_dtype: str = "fp16",
         value_dim: Optional[int] = None,
+        sources: Sequence[Optional[int]] = (),
     ) -> None:
         if max_seq_len < 1:
             raise ValueError("max_seq_len must be at least 1")
@@ -83,16 +90,27 @@ class KVCache:
         self.batch_size = batch_size
         self.cache_dtype = cache_dtype
         k_scheme, v_scheme = cache_schemes(cache_dtype)
-        shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
-        v_shape = shape if value_dim is None else (batch_size, num_kv_heads, max_seq_len, value_dim)
-        self.k: List[Any] = [_buffer(shape, k_scheme, dtypes[i], devices[i]) for i in range(num_layers)]
-        self.v: List[Any] = [_buffer(v_shape, v_scheme, dtypes[i], devices[i]) for i in range(num_layers)]
+        heads = _per_layer(num_kv_heads, num_layers)
+        dims = _per_layer(head_dim, num_layers)
+        self.sources: Tuple[Optional[int], ...] = tuple(sources[:num_layers]) or (None,) * num_layers
+        self.k: List[Any] = []
+        self.v: List[Any] = []
+        for i, src in enumerate(self.sources):
+            if src is not None:
+                self.k.append(self.k[src])
+                self.v.append(self.v[src])
+                continue
+            shape = (batch_size, heads[i], max_seq_len, dims[i])
+            v_shape = shape if value_dim is None else (batch_size, heads[i], max_seq_len, value_dim)
+            self.k.append(_buffer(shape, k_scheme, dtypes[i], devices[i]))
+            self.v.append(_buffer(v_shape, v_scheme, dtypes[i], devices[i]))
         self.seq_len = 0
         self.tokens: List[int] = []
 
     @property
     def nbytes(self) -> int:
-        return sum(buffer_bytes(t) for t in self.k + self.v)
+        return sum(buffer_bytes(t) for i, t in enumerate(self.k + self.v)
+                   if self.sources[i % len(self.k)] is None)
 
     def reserve(self, n: int) -> int:
         """Check that n more positions fit; returns the position they start at."""
@@ -120,8 +138,9 @@ class KVCache:
         n = other.seq_len if length is None else length
         if n > self.max_seq_len:
             raise OutOfContextError(f"{n} positions do not fit in a cache of {self.max_seq_len}.")
-        for dst, src in zip(self.k + self.v, other.k + other.v):
-            dst[:, :, :n].copy_(src[:, :, :n])
+        for i, (dst, src) in enumerate(zip(self.k + self.v, other.k + other.v)):
+            if self.sources[i % len(self.k)] is None:
+                dst[:, :, :n].copy_(src[:, :, :n])
         self.seq_len = n
         self.tokens = list(other.tokens[:n])
 
@@ -130,8 +149,11 @@ class KVCache:
         twin.max_seq_len = self.max_seq_len
         twin.batch_size = self.batch_size
         twin.cache_dtype = self.cache_dtype
-        twin.k = [t.clone() for t in self.k]
-        twin.v = [t.clone() for t in self.v]
+        twin.sources = self.sources
+        twin.k, twin.v = [], []
+        for i, src in enumerate(self.sources):
+            twin.k.append(self.k[i].clone() if src is None else twin.k[src])
+            twin.v.append(self.v[i].clone() if src is None else twin.v[src])
         twin.seq_len = self.seq_len
         twin.tokens = list(self.tokens)
         return twin

@@ -24,8 +24,10 @@ CONFIG_BOUNDS = {
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE scaling: "linear" (positions divided by factor), "llama3" (frequency-dependent), "longrope"
-    (Phi-3: per-frequency short/long factors; `factor` is max_position_embeddings / original) or "yarn"
-    (frequencies blended between interpolated and original across the `beta_fast`..`beta_slow` rotation band)."""
+    (Phi-3: per-frequency short/long factors; `factor` is max_position_embeddings / original), "yarn"
+    (frequencies blended between interpolated and original across the `beta_fast`..`beta_slow` rotation band) or
+    "proportional" (Gemma 4: only the first `partial_rotary_factor` of the frequencies rotate, all divided by
+    `factor`)."""
 
     rope_type: str
     factor: float = 1.0
@@ -38,6 +40,7 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
+    partial_rotary_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,8 @@ class RopeSpec:
     """One RoPE table: its base, its scaling (None: plain) and how many leading dimensions of a head it rotates
     (0: all of head_dim); its frequencies are spread over those `dim` dimensions. Fewer rotate GLM's partial
     rotary part (`partial_rotary_factor`: the others pass through) and DeepSeek's separate `qk_rope_head_dim` part
-    of its latent attention; engine/rope.py says how each reads its table."""
+    of its latent attention; a layer whose heads differ from the config's (Gemma 4's wider global heads) sets it to
+    its own head size. engine/rope.py says how each reads its table."""
 
     theta: float
     scaling: Optional[RopeScaling] = None
@@ -97,6 +101,11 @@ class Features:
     - `logit_scale`: final logits are multiplied by it (Cohere).
     - `rope_interleaved`: RoPE rotates pairs of neighbouring head dimensions (2i, 2i + 1) instead of the halves
       (i, i + dim / 2); the model reorders q and k per head so the rotate-half kernels serve both.
+    - `head_dims` / `kv_heads` / `intermediate_sizes`: per layer, where layers differ (Gemma 4's global layers have
+      wider heads and fewer KV heads, its KV-sharing layers a double-wide MLP); empty: the config's sizes.
+    - `kv_sources`: per layer, None or the earlier layer whose cache it attends over; such a layer computes no
+      keys or values of its own (Gemma 4's KV sharing).
+    - `activation_sparsity`: per layer, Gemma 3n's target sparsity of the MLP gate (0: dense; empty: none).
     """
 
     biases: Tuple[str, ...] = ()
@@ -116,6 +125,11 @@ class Features:
     parallel_block: bool = False
     logit_scale: Optional[float] = None
     rope_interleaved: bool = False
+    head_dims: Tuple[int, ...] = ()
+    kv_heads: Tuple[int, ...] = ()
+    intermediate_sizes: Tuple[int, ...] = ()
+    kv_sources: Tuple[Optional[int], ...] = ()
+    activation_sparsity: Tuple[float, ...] = ()
 
     @property
     def quantized_cache(self) -> bool:
@@ -160,6 +174,19 @@ class ConfigData:
 
     def layer_rope(self, index: int) -> Optional[RopeSpec]:
         return self.features.ropes[index]
+
+    def layer_head_dim(self, index: int) -> int:
+        return self.features.head_dims[index] if self.features.head_dims else self.head_dim
+
+    def layer_kv_heads(self, index: int) -> int:
+        return self.features.kv_heads[index] if self.features.kv_heads else self.num_kv_heads
+
+    def layer_intermediate(self, index: int) -> int:
+        f = self.features
+        return f.intermediate_sizes[index] if f.intermediate_sizes else self.intermediate_size
+
+    def layer_kv_source(self, index: int) -> Optional[int]:
+        return self.features.kv_sources[index] if self.features.kv_sources else None
 
 
 def whole(value: Any, key: str, where: str) -> int:
@@ -237,8 +264,14 @@ def parse_rope_scaling(raw: Dict[str, Any], value: Any, head_dim: int, where: st
         return _longrope(raw, value, head_dim, where)
     if kind == "yarn":
         return _yarn(raw, value)
+    if kind == "proportional":
+        partial = number(value.get("partial_rotary_factor", 1.0), "rope_scaling.partial_rotary_factor", where)
+        if not 0.0 <= partial <= 1.0:
+            raise ModelFormatError(f"{where}: partial_rotary_factor must lie in [0, 1], found {partial!r}.")
+        return RopeScaling("proportional", factor=factor, partial_rotary_factor=partial)
     raise ModelFormatError(
-        f"{where}: rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope, yarn; "
+        f"{where}: rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope, yarn, "
+        "proportional; "
         "NTK alpha is a load option)."
     )
 

@@ -54,6 +54,7 @@ def config_shapes(config: ModelConfig) -> Shapes:
     shapes: Shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
+    shapes.update(config.description.model_tensors(config))
     for i in range(config.num_layers):
         p = f"model.layers.{i}"
         layout = config.description.layout(config, i)
@@ -139,6 +140,9 @@ class Sizes:
         """Every tensor under `model.layers.N.`, whatever the architecture names it (norms, biases, dense or GPTQ
         projections, experts); a GPTQ linear counts as `linear` lays it out in memory."""
         p = f"model.layers.{index}."
+        # what the description lists beyond the suffixes below (Gemma 4's layer scalar, router scales)
+        listed = set(self.config.description.layout(self.config, index).tensors) if self.config.arch is not None \
+            else set()
         total = 0
         for name, shape in self.shapes.items():
             if not name.startswith(p):
@@ -150,16 +154,23 @@ class Sizes:
             elif name.endswith("_blocks"):  # MXFP4 (gpt-oss's experts), dequantized at load: 32 values per 16 bytes
                 total += _numel(shape) * 2 * elem
             # `_proj`: gpt-oss's stacked experts; `_bias`: GLM-4.5's and DeepSeek-V3's e_score_correction_bias
-            elif name.endswith((".weight", ".bias", "_bias", "_proj", ".sinks")):
+            elif name.endswith((".weight", ".bias", "_bias", "_proj", ".sinks")) or name[len(p):] in listed:
                 total += _numel(shape) * elem
         return total
 
-    def cache(self, elem: int) -> int:
-        """K and V of one layer for max_seq_len positions, in the layer's dtype (`elem` bytes) or quantized."""
+    def cache(self, elem: int, index: int = 0) -> int:
+        """K and V of layer `index` for max_seq_len positions, in the layer's dtype (`elem` bytes) or quantized;
+        none for a layer that reads an earlier layer's cache (Gemma 4 / 3n KV sharing)."""
         c = self.config
+        if c.features is not None and c.layer_kv_source(index) is not None:
+            return 0
         heads, key, value = c.features.cache_shape if c.features is not None else (0, 0, 0)
-        per_token = heads * (key + value) * elem if heads else \
-            cache_bytes_per_token(self.cache_dtype, c.num_kv_heads, c.head_dim, elem)
+        if heads:
+            per_token = heads * (key + value) * elem
+        else:
+            heads, dim = (c.layer_kv_heads(index), c.layer_head_dim(index)) if c.features is not None else \
+                (c.num_kv_heads, c.head_dim)
+            per_token = cache_bytes_per_token(self.cache_dtype, heads, dim, elem)
         return self.batch_size * self.max_seq_len * per_token
 
     def rope(self, elem: int) -> int:
@@ -168,7 +179,9 @@ class Sizes:
         return 2 * self.max_seq_len * self.config.head_dim * elem * tables
 
     def embed(self, elem: int) -> int:
-        return _numel(self._shape("model.embed_tokens.weight")) * elem
+        """The embedding and the model-level tensors loaded beside it (per-layer embeddings, AltUp projections)."""
+        extra = self.config.description.model_tensors(self.config) if self.config.arch is not None else {}
+        return sum(_numel(self._shape(name)) for name in ["model.embed_tokens.weight", *extra]) * elem
 
     def tied(self) -> bool:
         return self.config.tie_word_embeddings or not any(
@@ -432,7 +445,7 @@ def _fill(sizes: Sizes, limits: Dict[str, int], gpus: List[str], head: str, cpu_
     if not gpus and cpu_layers is None:
         raise PlanError("no GPU budget was given; give GPU budgets, or cpu_layers='auto' to run on the CPU")
     e = _elem(gpu_dtype)
-    per_layer = max(sizes.layer(i, e) for i in range(n_layers)) + sizes.cache(e)
+    per_layer = max(sizes.layer(i, e) + sizes.cache(e, i) for i in range(n_layers))
     first_layer_extra = sizes.working(e) + sizes.rope(e)
     embed_dev = "cpu" if embed_on_cpu or head == "cpu" else head
     used = {d: 0 for d in gpus}
@@ -492,7 +505,7 @@ def _account(sizes: Sizes, layer_devices: List[str], head: str, embed_on_cpu: bo
             u.buffer_bytes += sizes.working(e) + sizes.rope(e)
         u.layers.append(i)
         u.weight_bytes += sizes.layer(i, e)
-        u.cache_bytes += sizes.cache(e)
+        u.cache_bytes += sizes.cache(e, i)
     w, b = _head_bytes(sizes, head, embed_dev, gpu_dtype)
     usage[head].weight_bytes += w
     usage[head].buffer_bytes += b

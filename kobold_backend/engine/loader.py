@@ -146,7 +146,8 @@ def load_model(
         if not config.features.quantized_cache and cache_schemes(cache_dtype) != ("fp16", "fp16"):
             raise ValueError(f"--cache-dtype {cache_dtype} cannot hold this model's latent attention cache, which is "
                              "kept in the model's dtype: use --cache-dtype fp16")
-        check_cache_dtype(cache_dtype, config.head_dim)
+        for head_dim in sorted({config.layer_head_dim(i) for i in range(config.num_layers)}):
+            check_cache_dtype(cache_dtype, head_dim)
         per_layer = [resolve_device(d) for d in layer_devices] if layer_devices else [main] * config.num_layers
         check_cache_memory(config, per_layer, compute_dtype, seq_len, cache_dtype)
         model = _build(reader, config, main, per_layer, compute_dtype, seq_len, embed_on_cpu,
@@ -238,10 +239,12 @@ def check_cache_memory(config: ModelConfig, per_layer: Sequence[torch.device], d
     """Refuse a context whose KV cache alone is larger than the free memory of a device it would go on."""
     need: Dict[torch.device, int] = {}
     heads, key, value = config.features.cache_shape
-    for dev in per_layer:
+    for index, dev in enumerate(per_layer):
+        if config.layer_kv_source(index) is not None:
+            continue  # it reads an earlier layer's cache
         size = torch.tensor([], dtype=_dtype_for(dev, dtype)).element_size()
         per_token = heads * (key + value) * size if heads else \
-            cache_bytes_per_token(cache_dtype, config.num_kv_heads, config.head_dim, size)
+            cache_bytes_per_token(cache_dtype, config.layer_kv_heads(index), config.layer_head_dim(index), size)
         need[dev] = need.get(dev, 0) + seq_len * per_token
     for dev, nbytes in need.items():
         free = _available_bytes(dev)
@@ -322,6 +325,7 @@ def _load_layer(ctx: LayerLoader, index: int) -> Layer:
     norms = {field_name: ctx.dense(f"{ckpt}.weight", size if isinstance(size, tuple) else (size,), offset)
              for field_name, (ckpt, size) in layout.norms.items()}
     norms.update({field_name: ctx.dense(ckpt, shape) for field_name, (ckpt, shape) in layout.extras.items()})
+    norms.update(arch.layer_extras(ctx, config, index))  # Layer fields a description builds itself (Gemma 4)
     norms.setdefault("post_norm", None)  # a parallel block has no norm of its own in front of the MLP
     layer = Layer(
         q_proj=weights.get("q_proj"), k_proj=weights.get("k_proj"), v_proj=weights.get("v_proj"),
@@ -363,6 +367,8 @@ def _build(
 
     embed_device = torch.device("cpu") if embed_on_cpu else main
     embed = top(embed_device, _dtype_for(embed_device, dtype)).dense("embed_tokens.weight", (config.vocab_size, h))
+    per_layer_embedding = config.description.per_layer_embedding(top(embed_device, embed.dtype), config)
+    streams = config.description.residual_streams(top(embed_device, embed.dtype), config)
     tick("embeddings")
     layers: List[Layer] = []
     for i in range(config.num_layers):
@@ -385,11 +391,13 @@ def _build(
     cos, sin = [], []
     for index, layer in enumerate(layers):
         rope = config.layer_rope(index)
-        # an attention object (DeepSeek's latent attention) reads a table of its rotated part only
-        width = rope.dim if rope is not None and layer.attn is not None else 0
+        # an attention object (DeepSeek's latent attention) reads a table of its rotated part only; q/k heads one
+        # as wide as the layer's heads (Gemma 4's global layers are wider)
+        width = rope.dim if rope is not None and layer.attn is not None else config.layer_head_dim(index)
         key = (layer.device, _dtype_for(layer.device, dtype), rope, width)
         if key not in tables:
             tables[key] = cos_sin_tables(config, seq_len, key[0], key[1], rope_alpha, compress_pos_emb, rope, width)
         cos.append(tables[key][0])
         sin.append(tables[key][1])
-    return Model(config, embed, layers, norm, lm_head, cos, sin, head_dt, seq_len, cache_dtype)
+    return Model(config, embed, layers, norm, lm_head, cos, sin, head_dt, seq_len, cache_dtype, per_layer_embedding,
+                 streams)

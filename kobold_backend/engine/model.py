@@ -1,9 +1,10 @@
 """The decoder-only transformer: Model.forward(ids, cache) -> logits, reading top to bottom.
 
-One generic layer serves every architecture: what differs between families (biases, q/k norm, extra norms,
+One generic layer serves every architecture: what differs between families (biases, q/k/v norms, extra norms,
 RMSNorm or LayerNorm, a parallel attention/MLP block, activation, scales, soft-capping, sliding windows, RoPE
-tables per layer, interleaved or partial RoPE, a routed MLP) is read from
-`config.features` and from the tensors the loader placed in each `Layer`, as described in engine/architectures.
+tables and sizes per layer, interleaved or partial RoPE, layers reading an earlier layer's KV cache, a routed MLP,
+per-layer embeddings) is read from `config.features` and from the tensors the loader placed in each `Layer`, as
+described in engine/architectures.
 Each layer calls `kobold_backend.ops`, which runs the native kernels where they are loaded.
 A `passthrough` (ForwardHooks, see engine/passthrough/base.py) may observe or change the residual stream
 after each layer and add low-rank deltas to the projections.
@@ -23,7 +24,7 @@ from kobold_backend.engine.fuse import concat_outputs
 from kobold_backend.ops.exl2_weight import EXL2Weight
 from kobold_backend.ops.ggml import GGMLWeight
 from kobold_backend.ops.gptq_weight import GPTQWeight
-from kobold_backend.ops.reference import rotate_half
+from kobold_backend.ops.reference import rotate_half, row_positions
 
 if TYPE_CHECKING:
     from kobold_backend.engine.passthrough.base import ForwardHooks
@@ -66,6 +67,34 @@ def head_permutation(head_dim: int, rope_dim: int, interleaved: bool) -> Optiona
     if order == list(range(head_dim)):
         return None
     return torch.tensor(order, dtype=torch.long)
+def rope_rows(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: Union[int, torch.Tensor]) -> torch.Tensor:
+    """RoPE on q [B, T, H, D] at positions pos..pos+T-1 (`pos` an int or a device tensor), writing no cache: the
+    queries of a layer that attends over an earlier layer's keys."""
+    t = q.shape[1]
+    if isinstance(pos, torch.Tensor):
+        at = row_positions(pos, t)
+        c, s = cos.index_select(0, at), sin.index_select(0, at)
+    else:
+        c, s = cos[pos : pos + t], sin[pos : pos + t]
+    c, s = c.view(1, t, 1, -1).float(), s.view(1, t, 1, -1).float()
+    qf = q.float()
+    return (qf * c + rotate_half(qf) * s).to(q.dtype)
+
+
+def std_multiplier(sparsity: float) -> float:
+    """Phi^-1(sparsity): how many standard deviations above the mean Gemma 3n's sparse gate cuts (0 when dense)."""
+    if sparsity <= 0.0:
+        return 0.0
+    return float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(sparsity, dtype=torch.float32)))
+
+
+def gaussian_top(gate: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """Gemma 3n's activation sparsity: keep what lies above mean + std * multiplier of each row (the part a normal
+    distribution puts in its top 1 - sparsity), shifted down by that cutoff, zero elsewhere. `multiplier` is a host
+    float (std_multiplier), so a CUDA graph captures no host-to-device copy."""
+    mean = gate.mean(-1, keepdim=True)
+    std = gate.std(-1, keepdim=True, unbiased=False)
+    return torch.relu(gate - (mean + std * multiplier))
 
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -93,6 +122,11 @@ class Layer:
     projection name; GPTQ layers keep theirs), `sinks` (per-head attention-sink logits [num_heads], gpt-oss),
     `attn`, an attention object (engine/mla.py) called instead of q/k/v, and `mlp`, a routed MLP object called as
     `mlp(x, index, passthrough)` instead of gate/up/down.
+    Gemma 4 adds `v_norm` (a weightless RMSNorm over each value head, stored as ones), `per_layer_gate` (called as
+    `per_layer_gate(h, per_layer_input)` after the MLP's residual add, engine/per_layer_input.py) and `out_scale`
+    (the layer's output is multiplied by it). A layer without v_proj (and no fused qkv) uses k's projection as v.
+    Gemma 3n adds `laurel` (called on the normed input; joins the residual after attention, engine/altup.py) and
+    `wrap` (AltUp: called as `wrap(streams, run_layer, per_layer_input)`).
     `mlp_perm` is set when an act-order down_proj's input permutation was folded into gate/up's outputs
     (engine/mlp_fold.py): the intermediate is stored in that order, feature j being the checkpoint's mlp_perm[j].
     """
@@ -119,10 +153,16 @@ class Layer:
     mlp_perm: Optional[torch.Tensor] = None
     sinks: Optional[torch.Tensor] = None
     attn: Optional[Any] = None
+    laurel: Optional[Any] = None
+    wrap: Optional[Any] = None
+    v_norm: Optional[torch.Tensor] = None
+    per_layer_gate: Optional[Any] = None
+    out_scale: Optional[torch.Tensor] = None
 
     PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "qkv_proj", "gate_up_proj")
-    NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "sinks")
+    NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "sinks", "v_norm",
+             "out_scale")
 
     def weight(self, name: str) -> Weight:
         """The weight of one projection (a copy of its columns of the fused weight when it was fused), as
@@ -179,8 +219,9 @@ class Layer:
             yield self.mlp_perm
         if self.mlp is not None:
             yield from self.mlp.tensors()
-        if self.attn is not None:
-            yield from self.attn.tensors()
+        for part in (self.attn, self.per_layer_gate, self.laurel, self.wrap):
+            if part is not None:
+                yield from part.tensors()
 
 
 class Model:
@@ -198,8 +239,14 @@ class Model:
         dtype: torch.dtype,
         max_seq_len: int,
         cache_dtype: str = "fp16",
+        per_layer_embedding: Optional[Any] = None,
+        streams: Optional[Any] = None,
     ) -> None:
         self.config = config
+        # Gemma 4's per-layer inputs: `per_layer_embedding.inputs(ids, h)` -> [B, T, layers, D] (per_layer_input.py)
+        self.per_layer_embedding = per_layer_embedding
+        # Gemma 3n's AltUp: `streams.expand(h)` -> [n, B, T, H] before the layers, `collapse` back after them
+        self.streams = streams
         self.cache_dtype = cache_dtype  # what new_cache allocates (engine/cache.py CACHE_DTYPES)
         self.features = config.features
         self.embed_tokens = embed_tokens
@@ -213,6 +260,13 @@ class Model:
         self.device = norm.device
         self.scale = self.features.attn_scale or config.head_dim ** -0.5
         self.windows = self.features.windows
+        n = config.num_layers
+        self.head_dims = [config.layer_head_dim(i) for i in range(n)]
+        self.kv_heads = [config.layer_kv_heads(i) for i in range(n)]
+        self.intermediates = [config.layer_intermediate(i) for i in range(n)]
+        self.kv_sources = [config.layer_kv_source(i) for i in range(n)]
+        self.sparsity = list(self.features.activation_sparsity) or [0.0] * n
+        self.sparse_cut = [std_multiplier(s) for s in self.sparsity]
         self.rope_factors = [1.0 if rope is None else rope.attention_factor for rope in self.features.ropes]
         layer_norm = self.features.norm == "layer"
         self._norm = ops.layer_norm if layer_norm else ops.rms_norm
@@ -220,9 +274,9 @@ class Model:
         # per layer: the order of each q/k head that puts the rotated pairs where the rotate-half kernels read them
         # (an attention object orders its own rotated part: DeepSeek's latent attention)
         self.rope_perms: List[Optional[torch.Tensor]] = []
-        for rope, layer in zip(self.features.ropes, layers):
+        for rope, layer, hd in zip(self.features.ropes, layers, self.head_dims):
             perm = None if rope is None or layer.attn is not None else \
-                head_permutation(config.head_dim, rope.dim, self.features.rope_interleaved)
+                head_permutation(hd, rope.dim, self.features.rope_interleaved)
             self.rope_perms.append(None if perm is None else perm.to(layer.device))
         self.activation = ACTIVATIONS[self.features.activation]
         scale = self.features.embed_scale
@@ -238,7 +292,7 @@ class Model:
             raise ValueError(f"a cache of {n} positions exceeds the RoPE tables of {self.max_seq_len}")
         heads, key, value = self.features.cache_shape
         if not heads:
-            heads, key, value = self.config.num_kv_heads, self.config.head_dim, self.config.head_dim
+            heads, key, value = self.kv_heads, self.head_dims, None
         elif (cache_dtype or self.cache_dtype) != "fp16":
             raise ValueError("this model's latent attention cache is kept in the model's dtype only (cache dtype "
                              "fp16)")
@@ -252,6 +306,7 @@ class Model:
             devices=[layer.device for layer in self.layers],
             cache_dtype=cache_dtype or self.cache_dtype,
             value_dim=value,
+            sources=self.kv_sources,
         )
 
     @torch.inference_mode()
@@ -269,11 +324,14 @@ class Model:
         t = ids.shape[1]
         pos = cache.reserve(t)
         h = self._embed(ids)
+        extra = self._per_layer_inputs(ids, h)
+        h = h if self.streams is None else self.streams.expand(h)
         for index, layer in enumerate(self.layers):
             h = h.to(device=layer.device, dtype=layer.input_norm.dtype)
-            h = self._layer(index, layer, h, cache, pos, passthrough)
+            h = self._block(index, layer, h, cache, pos, passthrough, per_layer=extra)
             if passthrough is not None:
                 h = passthrough.after_layer(index, h, pos)
+        h = h if self.streams is None else self.streams.collapse(h)
         cache.seq_len = pos + t
         if last_only:
             h = h[:, -1:]
@@ -292,6 +350,8 @@ class Model:
             raise ValueError(f"cannot drop {drop} positions at {start} from a cache of {end}")
         moved = end - start - drop
         for index in range(len(self.layers)):
+            if self.kv_sources[index] is not None:
+                continue  # its buffers are its source layer's, moved once
             k, v = cache.k[index], cache.v[index]
             # the tables carry the RoPE attention factor (LongRoPE); a pure rotation must not apply it again
             cos = self.cos[index][drop].float() / self.rope_factors[index]
@@ -311,10 +371,28 @@ class Model:
         `length`; float32 logits [B, T, V]. No host-side state changes, so a CUDA graph can capture it. The caller
         advances `cache.seq_len`."""
         h = self._embed(ids)
+        extra = self._per_layer_inputs(ids, h)
+        h = h if self.streams is None else self.streams.expand(h)
         for index, layer in enumerate(self.layers):
             h = h.to(device=layer.device, dtype=layer.input_norm.dtype)
-            h = self._layer(index, layer, h, cache, 0, None, pos, length)
+            h = self._block(index, layer, h, cache, 0, None, pos, length, extra)
+        h = h if self.streams is None else self.streams.collapse(h)
         return self._logits(h)
+
+    def _block(self, index: int, layer: Layer, h: torch.Tensor, cache: KVCache, pos: int,
+               passthrough: Optional[ForwardHooks], pos_t: Optional[torch.Tensor] = None, length: int = 0,
+               per_layer: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One decoder layer, through its residual wrapper when it has one (Gemma 3n's AltUp: `h` holds the
+        model's parallel streams, the wrapper runs the layer on the active one)."""
+        if layer.wrap is None:
+            return self._layer(index, layer, h, cache, pos, passthrough, pos_t, length, per_layer)
+        own = None if per_layer is None else per_layer[:, :, index].to(device=h.device, dtype=h.dtype)
+        return layer.wrap(h, lambda x: self._layer(index, layer, x, cache, pos, passthrough, pos_t, length), own)
+
+    def _per_layer_inputs(self, ids: torch.Tensor, h: torch.Tensor) -> Optional[torch.Tensor]:
+        if self.per_layer_embedding is None:
+            return None
+        return self.per_layer_embedding.inputs(ids.to(h.device), h)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens[ids.to(self.embed_tokens.device)]
@@ -338,10 +416,12 @@ class Model:
         passthrough: Optional[ForwardHooks],
         pos_t: Optional[torch.Tensor] = None,
         length: int = 0,
+        per_layer: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         cfg = self.config
         eps = cfg.rms_norm_eps
         x = self._norm(h, layer.input_norm, eps)
+        laurel = None if layer.laurel is None else layer.laurel(x)
         if layer.attn is not None:
             a = layer.attn(x, cache.k[index], self.cos[index], self.sin[index], pos, self.scale, pos_t, length)
         else:
@@ -350,17 +430,28 @@ class Model:
         if layer.attn_out_norm is not None:
             a = self._norm(a, layer.attn_out_norm, eps)
         if self.features.parallel_block:
-            return h + a + self._mlp(index, layer, x, passthrough)
-        x, h = self._add_norm(a, h, layer.post_norm, eps)
-        return h + self._mlp(index, layer, x, passthrough)
+            h = h + a + self._mlp(index, layer, x, passthrough)
+        else:
+            if laurel is None:
+                x, h = self._add_norm(a, h, layer.post_norm, eps)
+            else:  # Gemma 3n: the Laurel branch joins the residual, the sum scaled by 1/sqrt(2)
+                h = (h + a + laurel) / 2 ** 0.5
+                x = self._norm(h, layer.post_norm, eps)
+            h = h + self._mlp(index, layer, x, passthrough)
+        if layer.per_layer_gate is not None and per_layer is not None:
+            h = layer.per_layer_gate(h, per_layer[:, :, index].to(device=h.device, dtype=h.dtype))
+        return h if layer.out_scale is None else h * layer.out_scale
 
     def _mlp(self, index: int, layer: Layer, x: torch.Tensor, passthrough: Optional[ForwardHooks]) -> torch.Tensor:
-        """The MLP's output for the normed input x (routed or dense), with its output norm when it has one."""
+        """The MLP's output for the normed input x (routed or dense, with Gemma 3n's sparse gate), with its output
+        norm when it has one."""
         if layer.mlp is not None:
             out = layer.mlp(x, index, passthrough)
         else:
-            inter = self.config.intermediate_size
+            inter = self.intermediates[index]
             gate, up = self._projs(index, layer, "gate_up_proj", GATE_UP, (inter, inter), x, passthrough)
+            if self.sparsity[index] > 0.0:
+                gate = gaussian_top(gate, self.sparse_cut[index])
             out = self._proj(index, layer, "down_proj", self.activation(gate, up), passthrough)
         if layer.mlp_out_norm is not None:
             out = self._norm(out, layer.mlp_out_norm, self.config.rms_norm_eps)
@@ -377,35 +468,49 @@ class Model:
         pos_t: Optional[torch.Tensor],
         length: int,
     ) -> torch.Tensor:
-        """q/k/v attention of normed x [B, T, hidden] -> [B, T, heads * head_dim], writing the cache."""
+        """q/k/v attention of normed x [B, T, hidden] -> [B, T, heads * head_dim], writing the cache (a KV-sharing
+        layer only reads its source layer's)."""
         cfg = self.config
         eps = cfg.rms_norm_eps
         b, t, _ = x.shape
-        qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = self._projs(index, layer, "qkv_proj", QKV, (qd, kvd, kvd), x, passthrough)
-        q = q.view(b, t, cfg.num_heads, cfg.head_dim)
-        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        if layer.q_norm is not None and layer.k_norm is not None:
+        hd, kvh, shared = self.head_dims[index], self.kv_heads[index], self.kv_sources[index] is not None
+        qd, kvd = cfg.num_heads * hd, kvh * hd
+        # a KV-sharing layer projects only q; a layer without v_proj reuses k's projection as v
+        names = QKV[:1] if shared else QKV if layer.v_proj is not None or layer.qkv_proj is not None else QKV[:2]
+        outs = self._projs(index, layer, "qkv_proj", names, (qd, kvd, kvd), x, passthrough)
+        q = outs[0].view(b, t, cfg.num_heads, hd)
+        if layer.q_norm is not None:
             q = self._norm(q, layer.q_norm, eps)
-            k = self._norm(k, layer.k_norm, eps)
         perm = self.rope_perms[index]
         if perm is not None:
-            q, k = q.index_select(-1, perm), k.index_select(-1, perm)
+            q = q.index_select(-1, perm)
         k_cache, v_cache = cache.k[index], cache.v[index]
+        cos, sin = self.cos[index], self.sin[index]
+        if shared:
+            q = rope_rows(q, cos, sin, pos if pos_t is None else pos_t)
+        else:
+            k = outs[1].view(b, t, kvh, hd)
+            v = outs[-1].view(b, t, kvh, hd)
+            if layer.k_norm is not None:
+                k = self._norm(k, layer.k_norm, eps)
+            if layer.v_norm is not None:
+                v = self._norm(v, layer.v_norm, eps)
+            if perm is not None:
+                k = k.index_select(-1, perm)
+            if pos_t is not None:
+                q = ops.rope_cache_write_at(q, k, v, cos, sin, pos_t, k_cache, v_cache)
+            else:
+                q = ops.rope_cache_write(q, k, v, cos, sin, pos, k_cache, v_cache)
         window, cap = self.windows[index], self.features.attn_softcap
         if pos_t is not None:
-            q = ops.rope_cache_write_at(q, k, v, self.cos[index], self.sin[index], pos_t, k_cache, v_cache)
             a = ops.decode_attention_rows(q, k_cache, v_cache, pos_t, length, self.scale, window=window, softcap=cap,
                                           sinks=layer.sinks)
         elif t == 1:
-            q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
             a = ops.decode_attention(q[:, 0], k_cache, v_cache, pos + 1, self.scale, window=window, softcap=cap,
                                      sinks=layer.sinks)
         else:
-            q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
             a = ops.attention(q, k_cache, v_cache, pos, self.scale, window=window, softcap=cap, sinks=layer.sinks)
-        return a.reshape(b, t, cfg.num_heads * cfg.head_dim)
+        return a.reshape(b, t, qd)
 
     @staticmethod
     def _proj(index: int, layer: Layer, name: str, x: torch.Tensor,
@@ -459,4 +564,7 @@ class Model:
             total += _size(self.lm_head)
         for layer in self.layers:
             total += sum(_size(w) for w in layer.tensors())
+        for part in (self.per_layer_embedding, self.streams):
+            if part is not None:
+                total += sum(_size(w) for w in part.tensors())
         return total

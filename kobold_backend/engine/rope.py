@@ -1,4 +1,5 @@
-"""Rotary position embedding tables: inverse frequencies with linear, llama3, LongRoPE, YaRN and NTK-alpha scaling.
+"""Rotary position embedding tables: inverse frequencies with linear, llama3, LongRoPE, YaRN, proportional (partial)
+and NTK-alpha scaling.
 
 A model may use several tables (Gemma 3's local and global layers); each layer's `RopeSpec` says which.
 LongRoPE (Phi-3) picks its short or long factors once per table, by the table's length: transformers switches
@@ -52,6 +53,10 @@ def inverse_frequencies(
         inv = torch.where(is_mid, mid, inv)
     if scaling is not None and scaling.rope_type == "yarn":
         inv = _yarn(inv, base, d, scaling)
+    if scaling is not None and scaling.rope_type == "proportional":
+        # the pairs past the rotated share get frequency 0: cos 1, sin 0, the identity
+        inv[int(scaling.partial_rotary_factor * d // 2):] = 0.0
+        inv = inv / scaling.factor
     return inv
 
 
@@ -86,9 +91,10 @@ def cos_sin_tables(
     attention factor; columns a partial RoPE passes through, and every column of a layer without RoPE
     (`rope=None`), hold cos 1 and sin 0.
 
-    `rope` selects the table (default: the config's rope_theta and rope_scaling); `width` is head_dim when 0 (a
-    q/k head, GLM's partial rotary included), or `rope.dim` for an attention that keeps its rotated part apart
-    (DeepSeek's latent attention), whose table then has no pass-through columns."""
+    `rope` selects the table (default: the config's rope_theta and rope_scaling); `width` is the q/k head size
+    (0: head_dim; GLM's partial rotary included; a layer's own size where layers differ, Gemma 4), or `rope.dim`
+    for an attention that keeps its rotated part apart (DeepSeek's latent attention), whose table then has no
+    pass-through columns."""
     half = (width or config.head_dim) // 2
     if rope is None:
         ones = torch.ones(max_seq_len, 2 * half, device=device, dtype=dtype)

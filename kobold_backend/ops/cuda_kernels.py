@@ -431,7 +431,8 @@ def _q8_layout_ok(w: ggml.GGMLWeight) -> bool:
 
 
 def _attention_layout_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The CUDA kernel's 16-byte K-row and 4-byte V-row loads: head_dim % 8 == 0, <= 256, aligned strides."""
+    """The CUDA kernel's 16-byte K-row and 4-byte V-row loads: head_dim % 8 == 0, <= 256 (kMaxDim: a head is held
+    in shared memory; wider heads, Gemma 4's 512-wide global ones, take the torch definition), aligned strides."""
     d = q.shape[-1]
     ks, vs = k_cache.stride(), v_cache.stride()
     return (d % 8 == 0 and d <= 256 and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 4 == 0

@@ -8,6 +8,8 @@ from kobold_backend.engine.architectures import (  # noqa: F401  (each registers
     cohere,
     deepseek,
     gemma,
+    gemma3n,
+    gemma4,
     glm,
     gpt_oss,
     llama,

@@ -52,8 +52,8 @@ class LayerLayout:
     #: other dense tensors of the layer the generic loader reads into Layer fields, Layer field -> (checkpoint
     #: name under `model.layers.N.`, shape): gpt-oss's `sinks`
     extras: Dict[str, Tuple[str, Tuple[int, ...]]] = field(default_factory=dict)
-    #: other tensors `build_mlp` reads itself (checkpoint name under `model.layers.N.` -> shape), listed so the
-    #: split planner counts them: GLM-4.5's router bias
+    #: other tensors `build_mlp` or `layer_extras` reads itself (checkpoint name under `model.layers.N.` -> shape),
+    #: listed so the split planner counts them: GLM-4.5's router bias, Gemma 4's layer scalar and stacked experts
     tensors: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
 
 
@@ -131,6 +131,27 @@ class Architecture:
         """Hook for a non-dense MLP (routed experts): return an object the layer calls instead of gate/up/down.
 
         `loader` is the loader's per-layer context (see engine/loader.py `LayerLoader`). None: the dense MLP."""
+        return None
+
+    def layer_extras(self, loader: Any, config: ConfigData, index: int) -> Dict[str, Any]:
+        """Hook for `Layer` fields beyond the layout's projections and norms (Gemma 4: `v_norm`, `per_layer_gate`,
+        `out_scale`), read through the same per-layer `loader`. Default: none."""
+        return {}
+
+    def model_tensors(self, config: ConfigData) -> Dict[str, Tuple[int, ...]]:
+        """Model-level tensors the hooks below read beside the embedding (name -> shape), for the split planner and
+        `config_shapes`. Default: none."""
+        return {}
+
+
+    def residual_streams(self, loader: Any, config: ConfigData) -> Optional[Any]:
+        """Hook for parallel residual streams around the layers (engine/altup.py `AltUpStreams`: `expand(h)` before
+        the first layer, `collapse(streams)` after the last), read like `per_layer_embedding`. Default: none."""
+        return None
+
+    def per_layer_embedding(self, loader: Any, config: ConfigData) -> Optional[Any]:
+        """Hook for a model-level per-layer input (engine/per_layer_input.py `PerLayerEmbedding`), read through a
+        `loader` at prefix `model` on the embedding's device. Default: none."""
         return None
 
 
