@@ -1,4 +1,4 @@
-// The integer GGML GEMV for 1..4 fp16 rows: the activations are quantized once per call to int8 in groups of 16
+// The integer GGML GEMV for 1..8 fp16 rows (speculative verification takes 5..8): the activations are quantized once per call to int8 in groups of 16
 // (scale d = amax / 127, q = rint(x * (1 / d)) in fp32, and d * sum(q) kept beside d), then one templated body
 // dots the weight quants, as the file stores them, with those int8 values through __dp4a and scales the integer
 // sums in fp32.
@@ -448,7 +448,11 @@ struct GemvQ8Launch {
             case 1: launch<L, 1>(); break;
             case 2: launch<L, 2>(); break;
             case 3: launch<L, 3>(); break;
-            default: launch<L, 4>(); break;
+            case 4: launch<L, 4>(); break;
+            case 5: launch<L, 5>(); break;
+            case 6: launch<L, 6>(); break;
+            case 7: launch<L, 7>(); break;
+            default: launch<L, 8>(); break;
         }
     }
     template <int T>
@@ -460,7 +464,7 @@ struct GemvQ8Launch {
 }  // namespace
 
 void ggml_gemv_q8(const GgmlGemvArgs& a, void* scratch, bool pdl) {
-    require(a.m >= 1 && a.m <= 4, "ggml_gemv_q8: rows must be 1..4");
+    require(a.m >= 1 && a.m <= 8, "ggml_gemv_q8: rows must be 1..8");
     const bool repacked = (a.type & kRepacked) != 0;
     const int type = a.type & ~kRepacked;
     require(!repacked || type == ggml::Q4_0 || type == ggml::Q8_0 || type == ggml::Q6_K,

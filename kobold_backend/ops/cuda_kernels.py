@@ -30,6 +30,9 @@ WS_FLOATS = 1 << 22
 WS_COUNTERS = 1 << 16
 EXL2_GEMV_MAX_ROWS = 4  # rows the EXL2 GEMV takes (csrc/cuda/exl2.cu); more go through dequantize + matmul
 GGML_GEMV_MAX_ROWS = 4  # rows the GGML GEMV takes on CUDA (csrc/cuda/ggml.cu: fewer instances, smaller wheels)
+# Rows the integer GGML GEMV takes (csrc/cuda/ggml_q8.cu: speculative verification's 5..8 too) where the module
+# says so (`ggml_q8_max_rows`; a module built before that takes GGML_GEMV_MAX_ROWS).
+GGML_Q8_MAX_ROWS = 8
 # Rows the tensor-core GPTQ product takes (csrc/cuda/gptq_mma.cu) past the GEMV's: a chat turn's new tokens read the
 # packed weights once; longer prompt chunks dequantize once for cuBLAS.
 MMA_MAX_ROWS = 128
@@ -413,8 +416,9 @@ class CudaKernels:
         return y
 
     def ggml_matmul(self, x: torch.Tensor, w: ggml.GGMLWeight) -> torch.Tensor:
-        """fp16 x [M, K] @ w.T (+ bias): the GEMV for 1..4 rows, else kernel dequantization + one cuBLAS GEMM
-        (a re-laid-out weight: the integer GEMV, else dequantization through the file's layout)."""
+        """fp16 x [M, K] @ w.T (+ bias): the GEMV for 1..4 rows (the integer one: 1..8), else kernel
+        dequantization + one cuBLAS GEMM (a re-laid-out weight: the integer GEMV, else dequantization through the
+        file's layout)."""
         if (not hasattr(self.module, "ggml_gemv") or x.dtype != torch.float16 or x.dim() != 2
                 or x.shape[1] != w.in_features or not ggml.kernel_layout_ok(w, x.device, repacked=True)
                 or (w.bias is not None and w.bias.dtype != torch.float16)):
@@ -423,7 +427,9 @@ class CudaKernels:
         repacked = w.type_name != w.file_type_name  # only the integer GEMV reads it
         q8 = ((self.ggml_kernel != "classic" or repacked) and hasattr(self.module, "ggml_gemv_q8")
               and _q8_layout_ok(w, self.module))
-        if not 1 <= m <= GGML_GEMV_MAX_ROWS or (repacked and not q8):
+        most = (min(GGML_Q8_MAX_ROWS, getattr(self.module, "ggml_q8_max_rows", GGML_GEMV_MAX_ROWS)) if q8
+                else GGML_GEMV_MAX_ROWS)
+        if not 1 <= m <= most or (repacked and not q8):
             y = x @ self.ggml_dequantize(w).t()
             return y if w.bias is None else y + w.bias
         x2 = x if x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else x.contiguous()
