@@ -117,11 +117,12 @@ def repack(w: GGMLWeight) -> GGMLWeight:
     n, nb = w.out_features, w.in_features // w.block_size
     size, off = _SIZES[w.type_name][1], _D_OFFSET[w.type_name]
     blocks = w.data.reshape(n, nb, size)
-    body = torch.cat([blocks[:, :, :off], blocks[:, :, off + 2:]], dim=2).reshape(n, nb * (size - 2))
     kind = REPACKED[w.type_name]
     out = torch.zeros((n, row_bytes(kind, w.in_features)), dtype=torch.uint8, device=w.data.device)
-    out[:, :body.shape[1]] = body
-    out[:, body.shape[1]:nb * size] = blocks[:, :, off:off + 2].reshape(n, 2 * nb)
+    quants = out[:, :nb * (size - 2)].view(n, nb, size - 2)  # filled in place: no third copy
+    quants[:, :, :off] = blocks[:, :, :off]
+    quants[:, :, off:] = blocks[:, :, off + 2:]
+    out[:, nb * (size - 2):nb * size].view(n, nb, 2).copy_(blocks[:, :, off:off + 2])
     return GGMLWeight(out, kind, w.in_features, w.out_features, w.bias)
 
 
