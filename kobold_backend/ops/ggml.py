@@ -2,7 +2,8 @@
 definitions.
 
 A `GGMLWeight` keeps a linear layer's bytes exactly as the file stores them: `data` is uint8 `[N, row_bytes]`, one
-row of blocks per output feature, each block covering `block_size` consecutive input features. Dequantization
+row of blocks per output feature, each block covering `block_size` consecutive input features (or, for the CUDA
+integer GEMV, the same bytes re-laid out per row: the "R" types below). Dequantization
 follows ggml's arithmetic in float32 step for step (scale products first, then times the quant, then the min), so
 the values equal llama.cpp's and the `gguf` package's bit for bit.
 
