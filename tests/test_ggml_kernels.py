@@ -314,7 +314,8 @@ def test_cuda_repacked_gemv_equals_the_stored_blocks_gemv(cuda: native.CudaKerne
         x = torch.randn(12, k, generator=torch.Generator().manual_seed(i)).half().cuda()
         assert torch.equal(cuda.ggml_matmul(x, r), cuda.ggml_matmul(x, w)), f"{type_name} K={k} 12 rows"
         assert torch.equal(cuda.ggml_dequantize(r), cuda.ggml_dequantize(w))
-        half = GGMLWeight(r.data[n // 2:], r.type_name, k, n - n // 2)  # a row slice (split fused projections)
+        half = GGMLWeight(r.data[n // 2:], r.type_name, k, n - n // 2,  # a row slice (split fused projections)
+                          None if r.bias is None else r.bias[n // 2:])
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).half().cuda()
         assert torch.equal(cuda.ggml_matmul(x, half), cuda.ggml_matmul(x, w)[:, n // 2:])
     monkeypatch.setattr(cuda, "ggml_kernel", "classic")
