@@ -7,8 +7,10 @@ several blocks per row, with and without bias. GPU (`-m gpu`): the CUDA kernels 
 within fp16 rounding, and a whole GGUF model decoding token by token on CUDA against the CPU. The integer GEMV
 (csrc/cuda/ggml_q8.cu, `ggml_kernel = "q8"`) is checked against the oracle fed the activations quantized by its
 written rule (`q8_activations`) within fp16 rounding, and against the plain oracle within int8 rounding, for
-every block type on every row length of the 7B/8B/13B/70B matrices, 1..4 rows, blocks-per-row counts that are
-not multiples of 256 elements where the format allows, graph replay equal to eager bit for bit.
+every block type on every row length of the 7B/8B/13B/70B matrices, 1..8 rows, blocks-per-row counts that are
+not multiples of 256 elements where the format allows, graph replay equal to eager bit for bit. Q4_0 / Q8_0 /
+Q6_K re-laid out at load for it (ops/ggml.py `repack`) give the stored blocks' result bit for bit, and a GGUF model
+loaded for the integer GEMV holds them re-laid out.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from kobold_backend import ops
 from kobold_backend.bench.checkpoint import Shape
 from kobold_backend.bench.gguf_checkpoint import q4_k_m_types, use_more_bits, write_synthetic_gguf
 from kobold_backend.ops import native
-from kobold_backend.ops.ggml import GGML_TYPES, KERNEL_TYPES, TYPE_IDS, GGMLWeight, ggml_dequantize
+from kobold_backend.ops.ggml import GGML_TYPES, KERNEL_TYPES, REPACKED, TYPE_IDS, GGMLWeight, ggml_dequantize
 from tests.fixtures.ggml_quant import quantize_rows
 
 # Byte offsets of each block type's fp16 fields (kept finite when blocks are random bytes).
@@ -250,7 +252,8 @@ def test_cuda_kernels_match_the_cpu_oracle(cuda: native.CudaKernels, type_name: 
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half()
         y = cuda.ggml_matmul(x.cuda(), w)
         assert y.dtype == torch.float16 and y.is_cuda and tuple(y.shape) == (m, n)
-        assert_rel(y, oracle(x, w), 4e-3, f"{type_name} {k}x{n} rows={m}")
+        int8 = cuda.ggml_kernel != "classic" and m <= 8  # the integer GEMV rounds the activations its way
+        assert_rel(y, oracle(q8_activations(x) if int8 else x, w), 4e-3, f"{type_name} {k}x{n} rows={m}")
     wide = torch.randn(2, k + 8, generator=torch.Generator().manual_seed(9)).half().cuda()[:, 4:4 + k]
     assert_rel(cuda.ggml_matmul(wide, w), oracle(wide, w), 4e-3, f"{type_name} misaligned rows")
 
@@ -271,7 +274,7 @@ def test_cuda_q8_gemv_matches_the_oracle(cuda: native.CudaKernels, type_name: st
         n = 67 if i % 2 else 40  # 67: a block of four warps only partly used
         w = make_weight(type_name, n, k, seed=7 * i + TYPE_IDS[type_name], random_bytes=i % 3 != 0, bias=i % 2 == 1,
                         device="cuda", bias_dtype=torch.float16)
-        for m in (1, 2, 3, 4):
+        for m in range(1, 9):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + i)).half()
             x[0, :16] = 0  # an all-zero group (d = 0)
             y = cuda.ggml_matmul(x.cuda(), w)
@@ -281,6 +284,43 @@ def test_cuda_q8_gemv_matches_the_oracle(cuda: native.CudaKernels, type_name: st
     wide = torch.randn(2, 768 + 8, generator=torch.Generator().manual_seed(9)).half().cuda()[:, 8:8 + 768]
     w = make_weight(type_name, 33, 768, seed=5, random_bytes=True, device="cuda")
     assert_rel(cuda.ggml_matmul(wide, w), oracle(q8_activations(wide), w), 4e-3, f"q8 {type_name} strided rows")
+
+
+@pytest.mark.parametrize("kernel", ["q8", "q8-pdl"])
+@pytest.mark.parametrize("type_name", sorted(REPACKED))
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_repacked_gemv_equals_the_stored_blocks_gemv(cuda: native.CudaKernels, type_name: str, kernel: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q4_0 / Q8_0 / Q6_K re-laid out when placed (`Repacked<T>`, 16-byte loads): the GEMV gives the stored
+    blocks' GEMV's result bit for bit (same steps, same arithmetic) on every row length of the 7B..70B matrices
+    and odd block counts, 1..8 rows, within int8 rounding of the oracle; more rows (the prompt path) and the
+    dequantization go through the file layout and equal the stored weight's."""
+    monkeypatch.setattr(cuda, "ggml_kernel", kernel)
+    block = GGML_TYPES[TYPE_IDS[type_name]][1]
+    lengths = Q8_ROW_LENGTHS + ([32 * 13, 32 * 3] if block == 32 else [256 * 3])
+    for i, k in enumerate(lengths):
+        n = 67 if i % 2 else 40
+        w = make_weight(type_name, n, k, seed=5 * i + TYPE_IDS[type_name], random_bytes=i % 3 != 0,
+                        bias=i % 2 == 1, device="cuda", bias_dtype=torch.float16)
+        r = cuda.ggml_place(w)
+        assert r.type_name == REPACKED[type_name] and r.data.shape[1] % 16 == 0 and r.data.data_ptr() % 16 == 0
+        for m in range(1, 9):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + i)).half().cuda()
+            x[0, :16] = 0
+            y = cuda.ggml_matmul(x, r)
+            assert torch.equal(y, cuda.ggml_matmul(x, w)), f"{kernel} {type_name} K={k} rows={m}"
+            assert_rel(y, oracle(q8_activations(x), w), 4e-3, f"repacked {type_name} K={k} N={n} rows={m}")
+        x = torch.randn(12, k, generator=torch.Generator().manual_seed(i)).half().cuda()
+        assert torch.equal(cuda.ggml_matmul(x, r), cuda.ggml_matmul(x, w)), f"{type_name} K={k} 12 rows"
+        assert torch.equal(cuda.ggml_dequantize(r), cuda.ggml_dequantize(w))
+        half = GGMLWeight(r.data[n // 2:], r.type_name, k, n - n // 2,  # a row slice (split fused projections)
+                          None if r.bias is None else r.bias[n // 2:])
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).half().cuda()
+        assert torch.equal(cuda.ggml_matmul(x, half), cuda.ggml_matmul(x, w)[:, n // 2:])
+    monkeypatch.setattr(cuda, "ggml_kernel", "classic")
+    w = make_weight(type_name, 8, 512, seed=1, device="cuda")
+    assert cuda.ggml_place(w) is w  # the classic GEMV reads the file's blocks
 
 
 @pytest.mark.gpu
@@ -303,14 +343,16 @@ def test_cuda_q8_gemv_wide_grid_and_unaligned_k_blocks(cuda: native.CudaKernels,
     assert_rel(cuda.ggml_matmul(x.cuda(), w8), oracle(x, w), 4e-3, "Q4_K at an 8-byte offset")
 
 
-@pytest.mark.parametrize("kernel", ["classic", "q8", "q8-pdl"])
+@pytest.mark.parametrize("kernel", ["classic", "q8", "q8-pdl", "q8-pdl repacked"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_ggml_graph_replay_equals_eager(cuda: native.CudaKernels, kernel: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cuda, "ggml_kernel", kernel)
-    for type_name in ("Q4_K", "Q6_K", "Q8_0"):
+    monkeypatch.setattr(cuda, "ggml_kernel", kernel.split()[0])
+    for type_name in ("Q4_K", "Q6_K", "Q8_0", "Q4_0"):
         w = make_weight(type_name, 300, 4096, seed=11, random_bytes=True, device="cuda")
+        if kernel.endswith("repacked"):
+            w = cuda.ggml_place(w)
         x = torch.randn(3, 4096, device="cuda").half()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -360,7 +402,7 @@ def test_cuda_q8_pdl_chain_equals_the_plain_launch(cuda: native.CudaKernels,
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("kernel", ["classic", "q8"])
+@pytest.mark.parametrize("kernel", ["classic", "q8", "q8-pdl"])
 @pytest.mark.parametrize("plan", ["Q4_K_M", "legacy"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -383,6 +425,10 @@ def test_cuda_gguf_decode_matches_cpu(plan: str, kernel: str, tmp_path: Path,
     cpu_lm = load_model(tmp_path / "g" / "model.gguf", device="cpu")
     gpu_lm = load_model(tmp_path / "g" / "model.gguf", device="cuda", dtype="float16")
     assert gpu_lm.model.layers[0].down_proj.data.is_cuda
+    placed = [w for layer in gpu_lm.model.layers for w in vars(layer).values() if isinstance(w, GGMLWeight)]
+    # the integer GEMV's instances read Q4_0 / Q8_0 / Q6_K re-laid out (ops/ggml.py repack), the classic one not
+    assert placed and not any(w.type_name in (REPACKED if kernel != "classic" else REPACKED.values())
+                              for w in placed)
     cpu_cache, gpu_cache = cpu_lm.model.new_cache(64), gpu_lm.model.new_cache(64)
     prompt = torch.tensor([[1, 15, 300, 7, 42]])
     a = cpu_lm.model.forward(prompt, cpu_cache)[0, -1]

@@ -1,6 +1,7 @@
 """The integer GGML GEMV's per-type step decoders (csrc/cuda/ggml_q8.cu `Loader<T>`) against ggml_blocks.h's
 decode8, on the host, without a GPU: tests/fixtures/ggml_q8_steps.cu is compiled with nvcc (skipped where there is
-none) and run; every block type's steps must cover each element once with decode8's value."""
+none) and run; every block type's steps, and the re-laid-out Q8_0 / Q4_0 / Q6_K rows' (`Repacked<T>`), must cover
+each element once with decode8's value."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from kobold_backend.ops.build import find_nvcc
 
 ROOT = Path(__file__).resolve().parent.parent
-TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0R", "Q4_0R", "Q6_KR")
 
 
 @pytest.mark.slow

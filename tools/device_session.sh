@@ -8,7 +8,9 @@
 # gptq gguf exl2 exllamav2 kv spec act) runs only those. Optional sections, run only when named in SECTIONS:
 #   exl2logits  exllamav2's causal logits for tests/data/exl2 (tools/exl2_reference_logits.py; results.tgz holds
 #               reference-logits-causal.safetensors, to be committed under tests/data/exl2/)
-#   ggml        GGML block-kernel timings, classic, q8 and q8-pdl GEMV (tools/ggml_timing.py)
+#   ggml        GGML block-kernel timings, classic, q8, q8-pdl and q8-pdl on re-laid-out rows (tools/ggml_timing.py)
+#   ggmlrepack  7B Q4_0 and Q8_0 files benched with Q4_0/Q8_0/Q6_K re-laid out at load (the default) and with the
+#               file's blocks (KOBOLD_BACKEND_GGML_REPACK=0)
 #   mma         the tensor-core GPTQ product against dequantize + cuBLAS for 9..128 rows (tools/mma_timing.py)
 #   kvtiming    decode attention and decode steps per cache dtype, new and old kernels (tools/kv_quant_timing.py)
 #   ext         the doctor report and the kernel timing table (tools/ext_timing.py)
@@ -122,7 +124,8 @@ want gptq && bench_model gptq-7b /tmp/gptq-7b
 want gptq && KOBOLD_BACKEND_GEMV_RULE=classic bench_model gptq-7b-classic /tmp/gptq-7b
 want gguf && bench_model gguf-7b /tmp/q4km-7b.gguf
 want gguf && KOBOLD_BACKEND_GGML_KERNEL=q8 bench_model gguf-7b-q8 /tmp/q4km-7b.gguf
-want gguf && KOBOLD_BACKEND_GGML_KERNEL=q8-pdl bench_model gguf-7b-q8-pdl /tmp/q4km-7b.gguf
+want gguf && KOBOLD_BACKEND_GGML_KERNEL=classic bench_model gguf-7b-classic /tmp/q4km-7b.gguf
+want gguf && KOBOLD_BACKEND_GGML_REPACK=0 bench_model gguf-7b-q8-pdl-stored /tmp/q4km-7b.gguf
 want exl2 && bench_model exl2-7b /tmp/exl2-7b
 want exllamav2 && tail -2 "$OUT/exllamav2_build.log"
 want exllamav2 && exllamav2_on exl2-7b /tmp/exl2-7b
@@ -134,6 +137,16 @@ want spec && grep -q "Error" "$OUT/gptq-7b-speculative.log" && CUDA_LAUNCH_BLOCK
   /tmp/gptq-7b --speculative --draft-preset qwen2.5-0.5b ${SPEC_FLAGS:-}
 want act && bench_model gptq-7b-act /tmp/gptq-7b-act
 want act && KOBOLD_BACKEND_GEMV_RULE=classic bench_model gptq-7b-act-classic /tmp/gptq-7b-act
+named ggmlrepack && { section "GGML Q4_0 / Q8_0 files, re-laid out and as stored"
+for r in Q4_0 Q8_0; do
+  python3 -c "from pathlib import Path; from kobold_backend.bench.checkpoint import PRESETS
+from kobold_backend.bench.gguf_checkpoint import write_synthetic_gguf
+write_synthetic_gguf(Path('/tmp/$r-7b.gguf'), PRESETS['llama2-7b'], recipe='$r')" > "$OUT/write-$r.log" 2>&1
+  bench_model "gguf-7b-$r" "/tmp/$r-7b.gguf"
+  KOBOLD_BACKEND_GGML_REPACK=0 bench_model "gguf-7b-$r-stored" "/tmp/$r-7b.gguf"
+  rm -f "/tmp/$r-7b.gguf"
+done; }
+
 named base && [ -n "${BASE:-}" ] && { section "the 7B GPTQ bench from BASE=$BASE"
   (cd "$BASE" && PYTHONPATH="$BASE:/tmp/site" python3 -m kobold_backend.ops.build --cuda > "$OUT/build-base.log" 2>&1 \
     && PYTHONPATH="$BASE:/tmp/site" timeout $(( $(left) < 120 ? $(left) : 120 )) python3 -m kobold_backend.bench \

@@ -8,7 +8,8 @@ that only the last batch runs; so that the figure is the steady-state path, gptq
 copy whose check `r0 + kBatch <= rows` is replaced by `true` (the path every batch but the last takes).
 The GGML GEMVs (csrc/cuda/ggml.cu: eight weights per loop step, ggml_q8.cu: 32) are compiled from copies whose
 main loop is not unrolled (`#pragma unroll 1`), so one loop iteration is one step; their figure is instructions
-per 32 weights and per 16 bytes of that type's blocks (M = 1 activation row; loop overhead included).
+per 32 weights and per 16 bytes of that type's blocks (M = 1 activation row; loop overhead included); ggml_q8.cu's
+`Repacked<T>` instantiations (rows re-laid out at load, the same bytes) are labelled "<type> R".
 Usage: `python tools/gemv_sass_count.py --nvcc /usr/local/cuda-13.0/bin/nvcc --cuobjdump PATH [--arch 90]`.
 """
 
@@ -102,11 +103,14 @@ def main() -> int:
                                   text=True).stdout
             for kernel, body in functions(sass).items():
                 count, loads, top = main_loop(body)
-                ggml_kernel = re.search(r"(ggml_gemv\w*kernel)ILi(\d+)ELi(\d+)E", kernel)
+                # ggml.cu: <type, M>; ggml_q8.cu: <Stored<type> or Repacked<type> (the re-laid-out rows), M>
+                ggml_kernel = re.search(r"(ggml_gemv\w*kernel)I(?:N\w*?(Stored|Repacked)ILi(\d+)EEE|Li(\d+)E)Li(\d+)E",
+                                        kernel)
                 if loads and ggml_kernel:
-                    if ggml_kernel.group(3) != "1":
+                    if ggml_kernel.group(5) != "1":
                         continue
-                    type_name, bytes32 = GGML_TYPES[int(ggml_kernel.group(2))]
+                    type_name, bytes32 = GGML_TYPES[int(ggml_kernel.group(3) or ggml_kernel.group(4))]
+                    type_name += " R" if ggml_kernel.group(2) == "Repacked" else ""
                     per32 = count * 32 / GGML_LOOPS[name][1]
                     print(f"{name:<13} {ggml_kernel.group(1)}<{type_name}, M=1>  {per32:6.1f} instructions / 32 weights"
                           f" = {per32 * 16 / bytes32:6.1f} / 16 weight bytes  {', '.join(f'{o} {n}' for o, n in top)}")

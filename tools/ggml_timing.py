@@ -17,7 +17,7 @@ import torch
 
 from kobold_backend.bench.gguf_checkpoint import SCALE_FIELDS
 from kobold_backend.ops import native
-from kobold_backend.ops.ggml import GGML_TYPES, TYPE_IDS, GGMLWeight, row_bytes
+from kobold_backend.ops.ggml import GGML_TYPES, REPACKED, TYPE_IDS, GGMLWeight, row_bytes
 from tools.ext_timing import COPY_TBPS, copies_for, gptq_bytes, gptq_weight, time_graph
 
 SCALES = dict(SCALE_FIELDS, Q8_0=((0, 1e-3),), Q4_0=((0, 1e-3),), Q5_K=SCALE_FIELDS["Q4_K"])
@@ -50,14 +50,18 @@ def main() -> None:
         for type_name in types:
             w0 = ggml_weight(type_name, k, n, 0)
             ws = [w0] + [ggml_weight(type_name, k, n, i + 1) for i in range(copies_for(w0.nbytes) - 1)]
-            for kernel in kernels:
-                kern.ggml_kernel = kernel
+            # "q8-pdl R": the weights re-laid out as placing them on CUDA does (Q4_0, Q8_0, Q6_K; ops/ggml.py repack)
+            repack = type_name in REPACKED and getattr(kern.module, "ggml_q8_repacked", False)
+            for kernel in kernels + (["q8-pdl R"] if repack else []):
+                kern.ggml_kernel = kernel.split()[0]
+                run = [kern.ggml_place(w) for w in ws] if kernel.endswith(" R") else ws
 
-                def gemv(i: int, ws: List[GGMLWeight] = ws, x: torch.Tensor = x) -> None:
+                def gemv(i: int, ws: List[GGMLWeight] = run, x: torch.Tensor = x) -> None:
                     kern.ggml_matmul(x, ws[i % len(ws)])
 
-                us = time_graph(gemv, len(ws) * 2)
-                print(row(f"ggml {kernel:<7s} {type_name}", m, k, n, us, w0.nbytes), flush=True)
+                us = time_graph(gemv, len(run) * 2)
+                print(row(f"ggml {kernel:<8s} {type_name}", m, k, n, us, w0.nbytes), flush=True)
+                del run
             del ws
         g0 = gptq_weight(k, n, 128, False, seed=1)
         gs = [g0] + [gptq_weight(k, n, 128, False, seed=2 + i) for i in range(copies_for(gptq_bytes(g0)) - 1)]

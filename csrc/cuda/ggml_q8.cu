@@ -1,4 +1,4 @@
-// The integer GGML GEMV for 1..4 fp16 rows: the activations are quantized once per call to int8 in groups of 16
+// The integer GGML GEMV for 1..8 fp16 rows (speculative verification takes 5..8): the activations are quantized once per call to int8 in groups of 16
 // (scale d = amax / 127, q = rint(x * (1 / d)) in fp32, and d * sum(q) kept beside d), then one templated body
 // dots the weight quants, as the file stores them, with those int8 values through __dp4a and scales the integer
 // sums in fp32.
@@ -8,7 +8,10 @@
 // fp32 as ggml forms them: d * sc and -dmin * m for the K types, d and -8 d for Q4_0, ...). With an activation
 // group (d_x, s_x = d_x * sum q_x) a half contributes a * d_x * dp4a(q, q_x) + b * s_x. `Loader<T>::load` is the
 // only per-type code. Q4_K and Q5_K blocks (16-byte aligned) are read with 16-byte loads; the others with 2-byte
-// loads. With `pdl` (sm_90+) the GEMV is launched with programmatic dependent launch behind the quantization
+// loads, unless the weight was re-laid out at load (ops/ggml.py `repack`, type ids with kRepacked set): Q4_0, Q8_0
+// and Q6_K rows then hold every block's quant bytes first (16, 32 and 208 bytes a block, so each block starts
+// 16-byte aligned), then the blocks' fp16 d in order, then zeros up to a multiple of 16 bytes; `Repacked<T>` reads
+// those with 16-byte loads. With `pdl` (sm_90+) the GEMV is launched with programmatic dependent launch behind the quantization
 // kernel: each lane first asks L2 for the start of its row (the weights are never written by a kernel), then waits
 // for the quantization's writes (`griddepcontrol.wait`), so the two launches overlap instead of running back to
 // back.
@@ -47,6 +50,14 @@ KB_HD int ld32_a2(const uint8_t* p) {
     return static_cast<int>(static_cast<uint32_t>(__ldg(h)) | static_cast<uint32_t>(__ldg(h + 1)) << 16);
 #else
     return static_cast<int>(static_cast<uint32_t>(h[0]) | static_cast<uint32_t>(h[1]) << 16);
+#endif
+}
+
+KB_HD uint2 ld64(const uint8_t* p) {
+#if defined(__CUDA_ARCH__)
+    return __ldg(reinterpret_cast<const uint2*>(p));
+#else
+    return *reinterpret_cast<const uint2*>(p);
 #endif
 }
 
@@ -229,6 +240,84 @@ struct Loader<ggml::Q6_K> {
     }
 };
 
+// The kernel reads a row through a layout: `Stored<T>` (blocks as the file has them, `Loader<T>`) or
+// `Repacked<T>`; load(row, blk, j, nb, s) decodes step j of block blk of a row of nb blocks.
+template <int T>
+struct Stored {
+    static constexpr int elements = ggml::Block<T>::elements;
+    static constexpr int steps = Loader<T>::steps;
+    static KB_HD void load(const uint8_t* row, int blk, int j, int, Step& s) {
+        Loader<T>::load(row + blk * ggml::Block<T>::bytes, j, s);
+    }
+};
+
+// Type ids of re-laid-out weights: the block type's id with this bit set (ops/ggml.py REPACK_BIT).
+constexpr int kRepacked = 0x100;
+
+// Quant bytes per block in the re-laid-out row (the block without its fp16 d).
+KB_HD constexpr int repacked_body(int t) { return t == ggml::Q6_K ? 208 : t == ggml::Q8_0 ? 32 : 16; }
+
+template <int T>
+struct Repacked;
+
+template <>
+struct Repacked<ggml::Q8_0> {
+    static constexpr int elements = 32, steps = 1;
+    static KB_HD void load(const uint8_t* row, int blk, int, int nb, Step& s) {
+        const uint4 q0 = ld128(row + 32 * blk), q1 = ld128(row + 32 * blk + 16);
+        const float d = ggml::f16(ggml::ld16(row + 32 * nb + 2 * blk));
+        s.q[0] = static_cast<int>(q0.x), s.q[1] = static_cast<int>(q0.y);
+        s.q[2] = static_cast<int>(q0.z), s.q[3] = static_cast<int>(q0.w);
+        s.q[4] = static_cast<int>(q1.x), s.q[5] = static_cast<int>(q1.y);
+        s.q[6] = static_cast<int>(q1.z), s.q[7] = static_cast<int>(q1.w);
+        s.e[0] = 0, s.e[1] = 16;
+        s.a[0] = s.a[1] = d;
+        s.b[0] = s.b[1] = 0.f;
+    }
+};
+
+template <>
+struct Repacked<ggml::Q4_0> {
+    static constexpr int elements = 32, steps = 1;
+    static KB_HD void load(const uint8_t* row, int blk, int, int nb, Step& s) {
+        const uint4 q = ld128(row + 16 * blk);
+        const float d = ggml::f16(ggml::ld16(row + 16 * nb + 2 * blk));
+        const int w[4] = {static_cast<int>(q.x), static_cast<int>(q.y), static_cast<int>(q.z), static_cast<int>(q.w)};
+        nibbles(s, w);
+        s.e[0] = 0, s.e[1] = 16;
+        s.a[0] = s.a[1] = d;
+        s.b[0] = s.b[1] = -8.f * d;
+    }
+};
+
+// Q6_K as Loader<Q6_K> (ql, qh and the 16 int8 scales keep their block offsets 0, 128, 192): ql and qh in one
+// 16-byte load each; the step's scales g0 and g0 + 4 (g0 % 8 < 4) are bytes g0 % 4 of one 8-byte load's words.
+template <>
+struct Repacked<ggml::Q6_K> {
+    static constexpr int elements = 256, steps = 8;
+    static KB_HD void load(const uint8_t* row, int blk, int j, int nb, Step& s) {
+        const uint8_t* b = row + 208 * blk;
+        const int t = j >> 2, p = j & 3, r = p >> 1, l0 = 16 * (p & 1);
+        const uint4 ql = ld128(b + 64 * t + 16 * p), qh = ld128(b + 128 + 32 * t + l0);
+        const int w[4] = {static_cast<int>(ql.x), static_cast<int>(ql.y), static_cast<int>(ql.z),
+                          static_cast<int>(ql.w)};
+        const uint32_t hw[4] = {qh.x, qh.y, qh.z, qh.w};
+        nibbles(s, w);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            s.q[i] |= static_cast<int>(((hw[i] >> (2 * r)) & 0x03030303u) << 4);
+            s.q[4 + i] |= static_cast<int>(((hw[i] >> (2 * r + 4)) & 0x03030303u) << 4);
+        }
+        const float d = ggml::f16(ggml::ld16(row + 208 * nb + 2 * blk));
+        s.e[0] = 128 * t + 32 * r + l0, s.e[1] = s.e[0] + 64;
+        const uint2 sc = ld64(b + 192 + 8 * t);
+        const int sh = 8 * (2 * r + (p & 1));
+        s.a[0] = d * static_cast<float>(static_cast<int8_t>((sc.x >> sh) & 0xFF));
+        s.a[1] = d * static_cast<float>(static_cast<int8_t>((sc.y >> sh) & 0xFF));
+        s.b[0] = -32.f * s.a[0], s.b[1] = -32.f * s.a[1];
+    }
+};
+
 // x fp16 [M, K] (row stride x_stride) -> xq int8 [M, K], xds float2 [M, K / 16] = (d, d * sum q) per group.
 __global__ void quantize_q8_kernel(const half* __restrict__ x, int64_t x_stride, int m, int k,
                                    int8_t* __restrict__ xq, float2* __restrict__ xds) {
@@ -269,21 +358,18 @@ __global__ void quantize_q8_kernel(const half* __restrict__ x, int64_t x_stride,
     xds[g] = make_float2(d, d * static_cast<float>(sum));
 }
 
-// One warp per output feature, all M rows; lane l takes steps l, l + 32, ... of the row (Loader<T>::steps
-// per block).
-template <int T, int M>
+// One warp per output feature, all M rows; lane l takes steps l, l + 32, ... of the row (L::steps per block).
+template <class L, int M>
 __global__ void __launch_bounds__(kThreads) ggml_gemv_q8_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
                                                                 int n, int k, const int8_t* __restrict__ xq,
                                                                 const float2* __restrict__ xds,
                                                                 const half* __restrict__ bias,
                                                                 half* __restrict__ out) {
-    using B = ggml::Block<T>;
-    using L = Loader<T>;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = blockIdx.x * kWarps + warp;
     if (row >= n) return;
     const uint8_t* __restrict__ wr = w + row * row_bytes;
-    const int steps = k / B::elements * L::steps, groups = k / kGroup;
+    const int nb = k / L::elements, steps = nb * L::steps, groups = k / kGroup;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // the row's first 5 KiB (a whole 7B Q4_K row), one 32-byte sector per lane per KiB; then x is safe to read
     // (griddepcontrol.wait returns at once when the launch was not programmatic)
@@ -298,12 +384,12 @@ __global__ void __launch_bounds__(kThreads) ggml_gemv_q8_kernel(const uint8_t* _
     for (int st = lane; st < steps; st += 32) {
         const int blk = st / L::steps;
         Step s;
-        L::load(wr + blk * B::bytes, st % L::steps, s);
+        L::load(wr, blk, st % L::steps, nb, s);
 #pragma unroll
         for (int i = 0; i < M; ++i) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int e = blk * B::elements + s.e[h];
+                const int e = blk * L::elements + s.e[h];
                 const int4 xv = __ldg(reinterpret_cast<const int4*>(xq + static_cast<int64_t>(i) * k + e));
                 const float2 ds = __ldg(xds + i * groups + e / kGroup);
                 int dot = __dp4a(s.q[4 * h], xv.x, 0);
@@ -333,7 +419,7 @@ struct GemvQ8Launch {
     const int8_t* xq;
     const float2* xds;
     bool pdl;
-    template <int T, int M>
+    template <class L, int M>
     void launch() const {
         const unsigned int blocks = static_cast<unsigned int>((a.n + kWarps - 1) / kWarps);
         const uint8_t* w = static_cast<const uint8_t*>(a.w);
@@ -341,7 +427,7 @@ struct GemvQ8Launch {
         const half* bias = static_cast<const half*>(a.bias);
         half* out = static_cast<half*>(a.out);
         if (!pdl) {
-            ggml_gemv_q8_kernel<T, M><<<blocks, kThreads, 0, as_stream(a.stream)>>>(w, a.row_bytes, n, k, xq, xds,
+            ggml_gemv_q8_kernel<L, M><<<blocks, kThreads, 0, as_stream(a.stream)>>>(w, a.row_bytes, n, k, xq, xds,
                                                                                     bias, out);
             return;
         }
@@ -354,27 +440,44 @@ struct GemvQ8Launch {
         attr[0].val.programmaticStreamSerializationAllowed = 1;
         cfg.attrs = attr;
         cfg.numAttrs = 1;
-        KB_CUDA_CHECK(cudaLaunchKernelEx(&cfg, ggml_gemv_q8_kernel<T, M>, w, a.row_bytes, n, k, xq, xds, bias, out));
+        KB_CUDA_CHECK(cudaLaunchKernelEx(&cfg, ggml_gemv_q8_kernel<L, M>, w, a.row_bytes, n, k, xq, xds, bias, out));
+    }
+    template <class L>
+    void rows() const {
+        switch (a.m) {
+            case 1: launch<L, 1>(); break;
+            case 2: launch<L, 2>(); break;
+            case 3: launch<L, 3>(); break;
+            case 4: launch<L, 4>(); break;
+            case 5: launch<L, 5>(); break;
+            case 6: launch<L, 6>(); break;
+            case 7: launch<L, 7>(); break;
+            default: launch<L, 8>(); break;
+        }
     }
     template <int T>
     void run() const {
-        switch (a.m) {
-            case 1: launch<T, 1>(); break;
-            case 2: launch<T, 2>(); break;
-            case 3: launch<T, 3>(); break;
-            default: launch<T, 4>(); break;
-        }
+        rows<Stored<T>>();
     }
 };
 
 }  // namespace
 
 void ggml_gemv_q8(const GgmlGemvArgs& a, void* scratch, bool pdl) {
-    require(a.m >= 1 && a.m <= 4, "ggml_gemv_q8: rows must be 1..4");
-    const bool k_type = a.type == ggml::Q4_K || a.type == ggml::Q5_K || a.type == ggml::Q6_K;
+    require(a.m >= 1 && a.m <= 8, "ggml_gemv_q8: rows must be 1..8");
+    const bool repacked = (a.type & kRepacked) != 0;
+    const int type = a.type & ~kRepacked;
+    require(!repacked || type == ggml::Q4_0 || type == ggml::Q8_0 || type == ggml::Q6_K,
+            "ggml_gemv_q8: unsupported re-laid-out block type " + std::to_string(type));
+    const bool k_type = type == ggml::Q4_K || type == ggml::Q5_K || type == ggml::Q6_K;
     require(a.k > 0 && a.k % (k_type ? 256 : 32) == 0 && a.n > 0 && a.n < (1LL << 31) && a.k < (1LL << 26),
             "ggml_gemv_q8: K must be a positive multiple of the block");
-    const std::uintptr_t align = (a.type == ggml::Q4_K || a.type == ggml::Q5_K) ? 16 : 2;
+    if (repacked) {  // quants, fp16 d per block, zeros to a multiple of 16 bytes
+        const int64_t nb = a.k / (type == ggml::Q6_K ? 256 : 32);
+        require(a.row_bytes == (nb * (repacked_body(type) + 2) + 15) / 16 * 16,
+                "ggml_gemv_q8: re-laid-out rows must hold quants and scales padded to 16 bytes");
+    }
+    const std::uintptr_t align = (repacked || type == ggml::Q4_K || type == ggml::Q5_K) ? 16 : 2;
     require(aligned(a.w, align) && a.row_bytes % static_cast<int64_t>(align) == 0,
             "ggml_gemv_q8: weight rows are not aligned for their block type");
     require(aligned(a.x, 16) && a.x_stride % 8 == 0 && a.x_stride >= a.k,
@@ -393,8 +496,16 @@ void ggml_gemv_q8(const GgmlGemvArgs& a, void* scratch, bool pdl) {
     quantize_q8_kernel<<<static_cast<unsigned int>((groups + 127) / 128), 128, 0, as_stream(a.stream)>>>(
         static_cast<const half*>(a.x), a.x_stride, static_cast<int>(a.m), static_cast<int>(a.k), xq, xds);
     KB_CHECK_LAUNCH();
-    require(ggml::dispatch(a.type, GemvQ8Launch{a, xq, xds, pdl}),
-            "ggml_gemv_q8: unsupported block type " + std::to_string(a.type));
+    const GemvQ8Launch launch{a, xq, xds, pdl};
+    if (repacked) {
+        switch (type) {
+            case ggml::Q4_0: launch.rows<Repacked<ggml::Q4_0>>(); break;
+            case ggml::Q8_0: launch.rows<Repacked<ggml::Q8_0>>(); break;
+            default: launch.rows<Repacked<ggml::Q6_K>>(); break;
+        }
+    } else {
+        require(ggml::dispatch(type, launch), "ggml_gemv_q8: unsupported block type " + std::to_string(type));
+    }
     KB_CHECK_LAUNCH();
 }
 

@@ -199,6 +199,9 @@ PYBIND11_MODULE(_ext_cuda, m) {
         kc::ggml_gemv(a);
     });
 
+    // ggml_gemv_q8 reads Q4_0 / Q8_0 / Q6_K rows re-laid out at load (type id | 0x100, ops/ggml.py repack)
+    m.attr("ggml_q8_repacked") = true;
+    m.attr("ggml_q8_max_rows") = 8;  // activation rows ggml_gemv_q8 takes (a module before it: 4)
     m.def("ggml_gemv_q8", [](int type, std::uintptr_t w, int64_t row_bytes, int64_t n, int64_t k, std::uintptr_t x,
                              int64_t x_stride, int64_t rows, std::uintptr_t bias, std::uintptr_t out,
                              std::uintptr_t scratch, bool pdl, int device, std::uintptr_t stream) {

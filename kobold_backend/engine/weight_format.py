@@ -49,7 +49,7 @@ def describe(config: ModelConfig, layers: Iterable[Any]) -> WeightFormat:
     for w in _linears(layers):
         if isinstance(w, GGMLWeight):
             n = w.in_features * w.out_features
-            ggml_types[w.type_name] += n
+            ggml_types[w.file_type_name] += n
             bits += w.data.numel() * 8
         elif isinstance(w, EXL2Weight):
             n = w.in_features * w.out_features

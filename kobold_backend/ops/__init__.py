@@ -30,6 +30,7 @@ __all__ = [
     "exl2_matmul",
     "gelu_tanh_mul",
     "ggml_matmul",
+    "ggml_place",
     "gptq_dequantize",
     "gptq_matmul",
     "layer_norm",
@@ -102,6 +103,13 @@ def ggml_matmul(x: torch.Tensor, w: GGMLWeight) -> torch.Tensor:
     with the GGML kernels), else dequantization + matmul in torch (ops/ggml.py)."""
     k = _kernels(x)
     return ggml.ggml_matmul(x, w) if k is None else k.ggml_matmul(x, w)
+
+
+def ggml_place(w: GGMLWeight) -> GGMLWeight:
+    """A GGML weight just placed on its device, as that device's kernels read it best (on CUDA: Q4_0, Q8_0 and
+    Q6_K re-laid out for the integer GEMV, cuda_kernels.GGML_REPACK); elsewhere `w` itself."""
+    k = _kernels(w.data)
+    return w if k is None or not hasattr(k, "ggml_place") else k.ggml_place(w)
 
 
 def gptq_dequantize(w: GPTQWeight) -> torch.Tensor:

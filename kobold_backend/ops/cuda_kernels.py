@@ -30,6 +30,9 @@ WS_FLOATS = 1 << 22
 WS_COUNTERS = 1 << 16
 EXL2_GEMV_MAX_ROWS = 4  # rows the EXL2 GEMV takes (csrc/cuda/exl2.cu); more go through dequantize + matmul
 GGML_GEMV_MAX_ROWS = 4  # rows the GGML GEMV takes on CUDA (csrc/cuda/ggml.cu: fewer instances, smaller wheels)
+# Rows the integer GGML GEMV takes (csrc/cuda/ggml_q8.cu: speculative verification's 5..8 too) where the module
+# says so (`ggml_q8_max_rows`; a module built before that takes GGML_GEMV_MAX_ROWS).
+GGML_Q8_MAX_ROWS = 8
 # Rows the tensor-core GPTQ product takes (csrc/cuda/gptq_mma.cu) past the GEMV's: a chat turn's new tokens read the
 # packed weights once; longer prompt chunks dequantize once for cuBLAS.
 MMA_MAX_ROWS = 128
@@ -38,6 +41,9 @@ MMA_MAX_ROWS = 128
 # KOBOLD_BACKEND_GGML_KERNEL picks one per process, CudaKernels.ggml_kernel per instance.
 GGML_KERNELS = ("classic", "q8", "q8-pdl")
 DEFAULT_GGML_KERNEL = os.environ.get("KOBOLD_BACKEND_GGML_KERNEL", "q8-pdl")
+# Q4_0, Q8_0 and Q6_K weights placed on CUDA are re-laid out for the integer GEMV's 16-byte loads (ops/ggml.py
+# `repack`) unless the GGML kernel is "classic" or KOBOLD_BACKEND_GGML_REPACK=0 (the file's blocks, 2-byte loads).
+GGML_REPACK = os.environ.get("KOBOLD_BACKEND_GGML_REPACK", "1") != "0"
 
 # gptq_gemv's `variant`: chosen by shape, or one kernel forced (the whole-K ones only where their shape check
 # passes; the 512-thread one takes 1 or 2 rows; the lean one, csrc/cuda/gptq_lean.cu, the 256-thread one's shapes,
@@ -390,8 +396,18 @@ class CudaKernels:
         self._call("silu_mul", gate.device, gate=g.data_ptr(), up=u.data_ptr(), n=g.numel(), out=y.data_ptr())
         return y
 
+    def ggml_place(self, w: ggml.GGMLWeight) -> ggml.GGMLWeight:
+        """`w` as the GEMV reads it best: Q4_0 / Q8_0 / Q6_K re-laid out for 16-byte loads (ops/ggml.py
+        `repack`) when this instance runs the integer GEMV, the module reads that layout and GGML_REPACK is on."""
+        if (GGML_REPACK and self.ggml_kernel != "classic" and getattr(self.module, "ggml_q8_repacked", False)
+                and w.type_name in ggml.REPACKED and ggml.kernel_layout_ok(w, w.data.device)):
+            return ggml.repack(w)
+        return w
+
     def ggml_dequantize(self, w: ggml.GGMLWeight) -> torch.Tensor:
-        """The weight [out_features, in_features] in fp16, decoded by the kernel."""
+        """The weight [out_features, in_features] in fp16, decoded by the kernel (a re-laid-out weight from a
+        temporary copy in the file's layout)."""
+        w = ggml.unpack(w)
         if not hasattr(self.module, "ggml_dequantize") or not ggml.kernel_layout_ok(w, w.data.device):
             return ggml.ggml_dequantize(w).half()
         y = torch.empty((w.out_features, w.in_features), dtype=torch.float16, device=w.data.device)
@@ -400,13 +416,20 @@ class CudaKernels:
         return y
 
     def ggml_matmul(self, x: torch.Tensor, w: ggml.GGMLWeight) -> torch.Tensor:
-        """fp16 x [M, K] @ w.T (+ bias): the GEMV for 1..4 rows, else kernel dequantization + one cuBLAS GEMM."""
+        """fp16 x [M, K] @ w.T (+ bias): the GEMV for 1..4 rows (the integer one: 1..8), else kernel
+        dequantization + one cuBLAS GEMM (a re-laid-out weight: the integer GEMV, else dequantization through the
+        file's layout)."""
         if (not hasattr(self.module, "ggml_gemv") or x.dtype != torch.float16 or x.dim() != 2
-                or x.shape[1] != w.in_features or not ggml.kernel_layout_ok(w, x.device)
+                or x.shape[1] != w.in_features or not ggml.kernel_layout_ok(w, x.device, repacked=True)
                 or (w.bias is not None and w.bias.dtype != torch.float16)):
             return ggml.ggml_matmul(x, w)
         m = x.shape[0]
-        if not 1 <= m <= GGML_GEMV_MAX_ROWS:
+        repacked = w.type_name != w.file_type_name  # only the integer GEMV reads it
+        q8 = ((self.ggml_kernel != "classic" or repacked) and hasattr(self.module, "ggml_gemv_q8")
+              and _q8_layout_ok(w, self.module))
+        most = (min(GGML_Q8_MAX_ROWS, getattr(self.module, "ggml_q8_max_rows", GGML_GEMV_MAX_ROWS)) if q8
+                else GGML_GEMV_MAX_ROWS)
+        if not 1 <= m <= most or (repacked and not q8):
             y = x @ self.ggml_dequantize(w).t()
             return y if w.bias is None else y + w.bias
         x2 = x if x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else x.contiguous()
@@ -415,7 +438,7 @@ class CudaKernels:
         args = dict(type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(), row_bytes=w.data.shape[1],
                     n=w.out_features, k=w.in_features, x=x2.data_ptr(), x_stride=x2.stride(0), rows=m,
                     bias=0 if bias is None else bias.data_ptr(), out=y.data_ptr())
-        if self.ggml_kernel != "classic" and hasattr(self.module, "ggml_gemv_q8") and _q8_layout_ok(w):
+        if q8:
             # int8 activations [M, K] and their (scale, scaled sum) per 16: M * K * 3 / 2 bytes
             scratch = torch.empty(m * w.in_features * 3 // 2, dtype=torch.uint8, device=x.device)
             self._call("ggml_gemv_q8", x.device, scratch=scratch.data_ptr(), pdl=self.ggml_kernel == "q8-pdl",
@@ -425,8 +448,11 @@ class CudaKernels:
         return y
 
 
-def _q8_layout_ok(w: ggml.GGMLWeight) -> bool:
-    """The integer GEMV's 16-byte loads of Q4_K/Q5_K blocks need 16-byte aligned rows (144 / 176-byte blocks)."""
+def _q8_layout_ok(w: ggml.GGMLWeight, module: Any) -> bool:
+    """The integer GEMV's 16-byte loads of Q4_K/Q5_K blocks and re-laid-out rows need 16-byte aligned rows (rows
+    of 144 / 176-byte blocks, or padded to 16 bytes), and a module that reads the re-laid-out ones."""
+    if w.type_name in ggml.REPACKED.values():
+        return w.data.data_ptr() % 16 == 0 and getattr(module, "ggml_q8_repacked", False)
     return w.type_name not in ("Q4_K", "Q5_K") or w.data.data_ptr() % 16 == 0
 
 

@@ -2,7 +2,8 @@
 definitions.
 
 A `GGMLWeight` keeps a linear layer's bytes exactly as the file stores them: `data` is uint8 `[N, row_bytes]`, one
-row of blocks per output feature, each block covering `block_size` consecutive input features. Dequantization
+row of blocks per output feature, each block covering `block_size` consecutive input features (or, for the CUDA
+integer GEMV, the same bytes re-laid out per row: the "R" types below). Dequantization
 follows ggml's arithmetic in float32 step for step (scale products first, then times the quant, then the min), so
 the values equal llama.cpp's and the `gguf` package's bit for bit.
 
@@ -17,6 +18,10 @@ Block layouts (bytes, little-endian; `d`, `m`, `dmin` are fp16):
 - Q5_K (176 B / 256): d, dmin, scales[12], qh[32] (bit i of byte l is sub-block i's element l), q[128] as Q4_K.
 - Q6_K (210 B / 256): ql[128], qh[64], int8 scales[16], d; 128-element halves, each of four 32-element rows built
   from ql's low/high nibbles and qh's 2-bit pairs; w = (d * sc) * (q - 32) with one scale per 16 elements.
+- Q4_0R, Q8_0R, Q6_KR: Q4_0 / Q8_0 / Q6_K rows re-laid out when placed for the CUDA integer GEMV (`repack`):
+  the row's blocks without their fp16 d (16, 32 or 208 bytes each, so every block starts 16-byte aligned), then
+  the blocks' d in order, then zero bytes up to a multiple of 16 (`row_bytes`). Same values, same memory (at most
+  15 bytes a row more); dequantization undoes the re-layout first.
 - MXFP4 (17 B / 32, gpt-oss's experts): e (uint8, e8m0), q[16] E2M1 codes as Q4_0's nibbles; w = 2 * E2M1(q) *
   2^(e - 128). No native kernel reads it: matmuls dequantize in torch.
 """
@@ -43,9 +48,19 @@ GGML_TYPES: Dict[int, Tuple[str, int, int]] = {
     30: ("BF16", 1, 2),
     39: ("MXFP4", 32, 17),
 }
-TYPE_IDS: Dict[str, int] = {name: tid for tid, (name, _, _) in GGML_TYPES.items()}
+# The re-laid-out forms (not file types): id | REPACK_BIT (csrc/cuda/ggml_q8.cu kRepacked), name + "R".
+REPACK_BIT = 0x100
+REPACKED_TYPES: Dict[int, Tuple[str, int, int]] = {
+    REPACK_BIT | 2: ("Q4_0R", 32, 18), REPACK_BIT | 8: ("Q8_0R", 32, 34), REPACK_BIT | 14: ("Q6_KR", 256, 210)}
+TYPE_IDS: Dict[str, int] = {name: tid for tid, (name, _, _) in {**GGML_TYPES, **REPACKED_TYPES}.items()}
+_SIZES: Dict[str, Tuple[int, int]] = {name: (block, size)
+                                      for name, block, size in [*GGML_TYPES.values(), *REPACKED_TYPES.values()]}
 # The block types the native kernels read (csrc/include/ggml_blocks.h); F32/F16/BF16 stay dense torch tensors.
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# Block type -> its re-laid-out form, and the byte offset of the fp16 d inside the file's block.
+REPACKED: Dict[str, str] = {"Q4_0": "Q4_0R", "Q8_0": "Q8_0R", "Q6_K": "Q6_KR"}
+_D_OFFSET = {"Q4_0": 0, "Q8_0": 0, "Q6_K": 208}
+_ORIGINAL = {r: t for t, r in REPACKED.items()}
 
 
 @dataclass
@@ -59,8 +74,13 @@ class GGMLWeight:
     bias: Optional[torch.Tensor] = None
 
     @property
+    def file_type_name(self) -> str:
+        """The block type the file stores (type_name without a re-layout's "R")."""
+        return _ORIGINAL.get(self.type_name, self.type_name)
+
+    @property
     def block_size(self) -> int:
-        return GGML_TYPES[TYPE_IDS[self.type_name]][1]
+        return _SIZES[self.type_name][0]
 
     @property
     def nbytes(self) -> int:
@@ -72,11 +92,13 @@ class GGMLWeight:
         return self.data.shape[1] * 8 / self.in_features
 
 
-def kernel_layout_ok(w: GGMLWeight, device: torch.device) -> bool:
-    """Whether the native kernels can read `w` on `device`: a kernel type, uint8 [N, row_bytes] rows contiguous
-    there, and a bias of N values (or none) there too."""
+def kernel_layout_ok(w: GGMLWeight, device: torch.device, repacked: bool = False) -> bool:
+    """Whether the native kernels can read `w` on `device`: a kernel type (its re-laid-out form only where
+    `repacked`: the CUDA integer GEMV), uint8 [N, row_bytes] rows contiguous there, and a bias of N values (or
+    none) there too."""
     data = w.data
-    return (w.type_name in KERNEL_TYPES and data.dtype == torch.uint8 and data.dim() == 2 and data.is_contiguous()
+    kind = w.file_type_name if repacked else w.type_name
+    return (kind in KERNEL_TYPES and data.dtype == torch.uint8 and data.dim() == 2 and data.is_contiguous()
             and data.device == device
             and tuple(data.shape) == (w.out_features, row_bytes(w.type_name, w.in_features))
             and (w.bias is None or (tuple(w.bias.shape) == (w.out_features,) and w.bias.device == device)))
@@ -84,10 +106,43 @@ def kernel_layout_ok(w: GGMLWeight, device: torch.device) -> bool:
 
 def row_bytes(type_name: str, n: int) -> int:
     """Bytes one row of n elements takes in this format."""
-    _, block, size = GGML_TYPES[TYPE_IDS[type_name]]
+    block, size = _SIZES[type_name]
     if n % block:
         raise ValueError(f"{type_name} rows need a multiple of {block} elements, not {n}")
-    return n // block * size
+    return n // block * size if type_name not in _ORIGINAL else (n // block * size + 15) // 16 * 16
+
+
+def repack(w: GGMLWeight) -> GGMLWeight:
+    """`w` (Q4_0, Q8_0 or Q6_K) re-laid out for 16-byte loads (the module docstring's Q4_0R / Q8_0R / Q6_KR), on
+    w's device; the bias is shared."""
+    n, nb = w.out_features, w.in_features // w.block_size
+    size, off = _SIZES[w.type_name][1], _D_OFFSET[w.type_name]
+    blocks = w.data.reshape(n, nb, size)
+    kind = REPACKED[w.type_name]
+    out = torch.zeros((n, row_bytes(kind, w.in_features)), dtype=torch.uint8, device=w.data.device)
+    quants = out[:, :nb * (size - 2)].view(n, nb, size - 2)  # filled in place: no third copy
+    quants[:, :, :off] = blocks[:, :, :off]
+    quants[:, :, off:] = blocks[:, :, off + 2:]
+    out[:, nb * (size - 2):nb * size].view(n, nb, 2).copy_(blocks[:, :, off:off + 2])
+    return GGMLWeight(out, kind, w.in_features, w.out_features, w.bias)
+
+
+def unpack_rows(data: torch.Tensor, type_name: str, n: int) -> torch.Tensor:
+    """Re-laid-out rows uint8 [rows, row_bytes(type_name, n)] -> the file's blocks [rows, nb * block bytes]."""
+    kind = _ORIGINAL[type_name]
+    block, size = _SIZES[kind]
+    rows, nb, off = data.shape[0], n // block, _D_OFFSET[kind]
+    body = data[:, :nb * (size - 2)].reshape(rows, nb, size - 2)
+    d = data[:, nb * (size - 2):nb * size].reshape(rows, nb, 2)
+    return torch.cat([body[:, :, :off], d, body[:, :, off:]], dim=2).reshape(rows, nb * size)
+
+
+def unpack(w: GGMLWeight) -> GGMLWeight:
+    """A re-laid-out weight back in its file layout (a new tensor); any other weight as it is."""
+    if w.type_name not in _ORIGINAL:
+        return w
+    return GGMLWeight(unpack_rows(w.data, w.type_name, w.in_features), _ORIGINAL[w.type_name], w.in_features,
+                      w.out_features, w.bias)
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -198,7 +253,9 @@ def dequantize_rows(data: torch.Tensor, type_name: str, n: int) -> torch.Tensor:
         return data.contiguous().view(torch.float16).reshape(rows, n).float()
     if type_name == "BF16":
         return data.contiguous().view(torch.bfloat16).reshape(rows, n).float()
-    _, block, size = GGML_TYPES[TYPE_IDS[type_name]]
+    if type_name in _ORIGINAL:
+        return dequantize_rows(unpack_rows(data, type_name, n), _ORIGINAL[type_name], n)
+    block, size = _SIZES[type_name]
     blocks = data.reshape(rows * (n // block), size)
     return _BLOCK_DEQUANT[type_name](blocks).reshape(rows, n)
 

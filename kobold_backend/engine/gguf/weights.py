@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from kobold_backend import ops
 from kobold_backend.engine.gguf.config import GGUFArchitecture
 from kobold_backend.engine.gguf.file import GGUFFile
 from kobold_backend.engine.gguf.names import TensorNames, unpermute_rows
@@ -97,7 +98,7 @@ class GGUFWeights:
         if f"{prefix}.bias" in self:
             bias = self.get(f"{prefix}.bias", (n,)).to(device=device, dtype=dtype)
         data = self._rows(name, gname, expert).to(device).contiguous()
-        return GGMLWeight(data, kind, in_features=k, out_features=n, bias=bias)
+        return ops.ggml_place(GGMLWeight(data, kind, in_features=k, out_features=n, bias=bias))
 
     def _gguf(self, name: str) -> Tuple[str, Optional[int]]:
         where = self._names.gguf(name, self._present)
