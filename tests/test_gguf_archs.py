@@ -22,6 +22,7 @@ from kobold_backend.engine.gguf.file import GGUFFile
 from kobold_backend.engine.loader import LoadedModel, load_model
 from kobold_backend.engine.moe import RoutedExperts
 from kobold_backend.errors import ModelFormatError
+from kobold_backend.ops.cuda_kernels import DEFAULT_GGML_KERNEL
 from kobold_backend.ops.ggml import GGMLWeight
 from tests.fixtures import moe_gemma_checkpoints as moe_gemma
 from tests.fixtures.arch_checkpoints import ARCH_BY_NAME, build_arch_checkpoint
@@ -226,10 +227,14 @@ def test_gguf_unknown_architecture_is_one_sentence(written, tmp_path: Path) -> N
 def test_gpu_gguf_family_matches_cpu(name: str, written, loaded) -> None:
     """On CUDA in float16 (block formats as stored, MoE decode through the gathered path): prompt logits within
     1e-2 relative of the float32 CPU run and 8 decode steps on the CPU run's tokens likewise; Gemma 3 within 2e-2,
-    the bound tests/test_architectures_moe_gemma.py measured for its seven layers of (1 + w) norms in fp16."""
+    the bound tests/test_architectures_moe_gemma.py measured for its seven layers of (1 + w) norms in fp16; with the
+    integer GGML GEMV (int8 activations) 3e-2 and 4e-2."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    tol = 2e-2 if name.startswith("gemma3") else 1e-2
+    # decode steps through the integer GGML GEMV (the default q8-pdl) quantize the activations to int8 per 16 values
+    # as llama.cpp does; on the H200 (2026-12-03) that put these steps 1.0-2.3e-2 from the float32 CPU run
+    int8 = DEFAULT_GGML_KERNEL != "classic"
+    tol = (4e-2 if int8 else 2e-2) if name.startswith("gemma3") else (3e-2 if int8 else 1e-2)
     cpu = loaded(name)
     gpu = load_model(written(name).gguf, device="cuda", dtype="float16", max_seq_len=96)
     ids = prompt_ids(written(name).built, 16, seed=4)

@@ -21,6 +21,7 @@ import torch
 from kobold_backend.engine.gguf.file import GGUFFile
 from kobold_backend.engine.loader import LoadedModel, load_model
 from kobold_backend.engine.moe import RoutedExperts, Routing
+from kobold_backend.ops.cuda_kernels import DEFAULT_GGML_KERNEL
 from kobold_backend.ops.ggml import GGMLWeight
 from tests.fixtures.arch2026_checkpoints import SPEC_BY_NAME, build
 from tests.fixtures.gguf_files import write_gguf
@@ -132,7 +133,8 @@ def test_gguf_glm4_fused_gate_up_stays_in_block_format(loaded) -> None:
 @pytest.mark.parametrize("name", list(FIXTURES))
 def test_gpu_gguf_2026_family_matches_cpu(name: str, written, loaded) -> None:
     """On CUDA in float16 (block formats as stored): every prompt position and 8 decode steps within 1e-2 relative
-    of the float32 CPU run (GLM-4.5: 80% of them, as fp16 may pick another expert at a score near-tie)."""
+    of the float32 CPU run (GLM-4.5: 80% of them, as fp16 may pick another expert at a score near-tie); 3e-2 with the
+    integer GGML GEMV (int8 activations)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     cpu = loaded(name)
@@ -150,7 +152,9 @@ def test_gpu_gguf_2026_family_matches_cpu(name: str, written, loaded) -> None:
     gpu.unload()
     errs.sort()
     bound = errs[int(0.8 * len(errs)) - 1] if name == "glm4_moe" else errs[-1]
-    assert bound < 1e-2, errs[-5:]
+    # decode steps through the integer GGML GEMV (the default q8-pdl) quantize the activations to int8 per 16 values
+    # as llama.cpp does; on the H200 (2026-12-03) that put these steps 1.0-2.3e-2 from the float32 CPU run
+    assert bound < (3e-2 if DEFAULT_GGML_KERNEL != "classic" else 1e-2), errs[-5:]
 
 def test_gguf_cohere2_window_pattern_key() -> None:
     """Without `attention.sliding_window_pattern` 3 of every 4 layers are local (llama.cpp's rule); a per-layer

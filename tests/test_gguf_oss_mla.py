@@ -19,6 +19,7 @@ import torch
 
 from kobold_backend.engine.loader import LoadedModel, load_model
 from kobold_backend.engine.mla import LatentAttention
+from kobold_backend.ops.cuda_kernels import DEFAULT_GGML_KERNEL
 from kobold_backend.ops.ggml import dequantize_rows
 from tests.fixtures import oss_mla_checkpoints as fixtures
 from tests.fixtures.gguf_oss_mla import write_oss_mla_gguf
@@ -134,7 +135,8 @@ def test_mxfp4_blocks_dequantize_as_the_gguf_package() -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_gpu_gguf_family_matches_cpu(name: str, written, loaded) -> None:
     """On CUDA in float16 (MXFP4 and the other blocks as stored, decode through the gathered expert path, the
-    latent cache): prompt logits within 1e-2 relative of the float32 CPU run, and 8 decode steps likewise."""
+    latent cache): prompt logits within 1e-2 relative of the float32 CPU run, and 8 decode steps likewise (3e-2
+    with the integer GGML GEMV, whose int8 activations round as llama.cpp's do)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     cpu = loaded(name)
@@ -144,8 +146,11 @@ def test_gpu_gguf_family_matches_cpu(name: str, written, loaded) -> None:
     ref = cpu.model.forward(ids, cpu_cache, last_only=False)
     ours = gpu.model.forward(ids.cuda(), gpu_cache, last_only=False).float().cpu()
     assert row_rel_err(ours, ref) < 1e-2, row_rel_err(ours, ref)
+    # decode steps through the integer GGML GEMV (the default q8-pdl) quantize the activations to int8 per 16 values
+    # as llama.cpp does; on the H200 (2026-12-03) that put these steps 1.0-2.3e-2 from the float32 CPU run
+    tol = 3e-2 if DEFAULT_GGML_KERNEL != "classic" else 1e-2
     for _ in range(8):
         token = torch.tensor([[int(ref[0, -1].argmax())]])
         ref = cpu.model.forward(token, cpu_cache)
         ours = gpu.model.forward(token.cuda(), gpu_cache).float().cpu()
-        assert row_rel_err(ours, ref) < 1e-2, row_rel_err(ours, ref)
+        assert row_rel_err(ours, ref) < tol, row_rel_err(ours, ref)
