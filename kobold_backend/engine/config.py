@@ -88,7 +88,7 @@ class ModelConfig(ConfigData):
         arch = lookup(model_type, archs, where)
         try:
             hidden = int(raw["hidden_size"])
-            inter = int(raw["intermediate_size"])
+            inter = int(raw.get("intermediate_size") or raw["moe_intermediate_size"])  # MoE-only stacks
             layers = int(raw["num_hidden_layers"])
             heads = int(raw["num_attention_heads"])
             vocab = int(raw["vocab_size"])

@@ -314,10 +314,10 @@ def _load_layer(ctx: LayerLoader, index: int) -> Layer:
              for field_name, (ckpt, size) in layout.norms.items()}
     layer = Layer(
         q_proj=weights.get("q_proj"), k_proj=weights.get("k_proj"), v_proj=weights.get("v_proj"),
-        o_proj=weights["o_proj"], gate_proj=weights.get("gate_proj"), up_proj=weights.get("up_proj"),
+        o_proj=weights.get("o_proj"), gate_proj=weights.get("gate_proj"), up_proj=weights.get("up_proj"),
         down_proj=weights.get("down_proj"), qkv_proj=weights.get("qkv_proj"),
         gate_up_proj=weights.get("gate_up_proj"), device=ctx.device, out_features=out_features,
-        biases=biases, mlp=arch.build_mlp(ctx, config, index), **norms,
+        biases=biases, mlp=arch.build_mlp(ctx, config, index), mixer=arch.build_mixer(ctx, config, index), **norms,
     )
     fold_down_permutation(layer)
     layer.fuse()

@@ -73,6 +73,9 @@ class Layer:
     `q_norm`/`k_norm` (per-head RMSNorm weights [head_dim]), `attn_out_norm`/`mlp_out_norm` (norms on the attention
     and MLP outputs before the residual add), `biases` (dense projections' biases by projection name; GPTQ layers
     keep theirs), and `mlp`, a routed MLP object called as `mlp(x, index, passthrough)` instead of gate/up/down.
+    `mixer` replaces the whole attention block (q/k/v/o stay None): `mixer(x, cache, index, pos)` maps the normed
+    hidden state to the block's output and keeps its own part of the cache (engine/linear_attention.py,
+    engine/gated_attention.py); `mixer.uses_kv` says whether it writes the layer's K/V buffers.
     `mlp_perm` is set when an act-order down_proj's input permutation was folded into gate/up's outputs
     (engine/mlp_fold.py): the intermediate is stored in that order, feature j being the checkpoint's mlp_perm[j].
     """
@@ -81,7 +84,7 @@ class Layer:
     q_proj: Optional[Weight]
     k_proj: Optional[Weight]
     v_proj: Optional[Weight]
-    o_proj: Weight
+    o_proj: Optional[Weight]
     post_norm: torch.Tensor
     gate_proj: Optional[Weight]
     up_proj: Optional[Weight]
@@ -97,6 +100,7 @@ class Layer:
     biases: Dict[str, torch.Tensor] = field(default_factory=dict)
     mlp: Optional[Any] = None
     mlp_perm: Optional[torch.Tensor] = None
+    mixer: Optional[Any] = None
 
     PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "qkv_proj", "gate_up_proj")
@@ -157,6 +161,8 @@ class Layer:
             yield self.mlp_perm
         if self.mlp is not None:
             yield from self.mlp.tensors()
+        if self.mixer is not None:
+            yield from self.mixer.tensors()
 
 
 class Model:
@@ -211,7 +217,16 @@ class Model:
             dtypes=[layer.input_norm.dtype for layer in self.layers],
             devices=[layer.device for layer in self.layers],
             cache_dtype=cache_dtype or self.cache_dtype,
+            kv_layers=[layer.mixer is None or layer.mixer.uses_kv for layer in self.layers],
+            states=[layer.mixer.new_state(batch_size) if layer.mixer is not None and not layer.mixer.uses_kv
+                    else None for layer in self.layers],
         )
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a recurrent state (linear attention): its cache cannot be shifted, rewound only
+        to snapshots, and it cannot run `decode_step` (CUDA graphs, multi-row verification)."""
+        return any(layer.mixer is not None and not layer.mixer.uses_kv for layer in self.layers)
 
     @torch.inference_mode()
     def forward(
@@ -245,6 +260,8 @@ class Model:
 
         A quantized cache (ops/kv_quant.QuantizedKV) moves the values' bytes as they are and re-quantizes the
         re-rotated keys from their dequantized float32 values (`.float()` / `.copy_` of a float tensor)."""
+        if cache.recurrent:
+            raise ValueError("this model's linear-attention state holds every position; it cannot be shifted")
         end = cache.seq_len
         if drop <= 0 or not 0 <= start < start + drop <= end:
             raise ValueError(f"cannot drop {drop} positions at {start} from a cache of {end}")
@@ -266,6 +283,8 @@ class Model:
         speculative verification), each attending over the cache up to its own position within the first
         `length`; float32 logits [B, T, V]. No host-side state changes, so a CUDA graph can capture it. The caller
         advances `cache.seq_len`."""
+        if self.recurrent:
+            raise ValueError("this model's linear-attention layers run only at host positions (no CUDA graphs)")
         h = self._embed(ids)
         for index, layer in enumerate(self.layers):
             h = h.to(device=layer.device, dtype=layer.input_norm.dtype)
@@ -297,6 +316,8 @@ class Model:
         eps = cfg.rms_norm_eps
         b, t, _ = h.shape
         x = ops.rms_norm(h, layer.input_norm, eps)
+        if layer.mixer is not None:
+            return self._mlp_block(index, layer, layer.mixer(x, cache, index, pos), h, passthrough)
         qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = self._projs(index, layer, "qkv_proj", QKV, (qd, kvd, kvd), x, passthrough)
         q = q.view(b, t, cfg.num_heads, cfg.head_dim)
@@ -317,6 +338,13 @@ class Model:
             q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
             a = ops.attention(q, k_cache, v_cache, pos, self.scale, window=window, softcap=cap)
         a = self._proj(index, layer, "o_proj", a.reshape(b, t, cfg.num_heads * cfg.head_dim), passthrough)
+        return self._mlp_block(index, layer, a, h, passthrough)
+
+    def _mlp_block(self, index: int, layer: Layer, a: torch.Tensor, h: torch.Tensor,
+                   passthrough: Optional[ForwardHooks]) -> torch.Tensor:
+        """The residual add of the attention output `a`, then the MLP and its residual add."""
+        cfg = self.config
+        eps = cfg.rms_norm_eps
         if layer.attn_out_norm is not None:
             a = ops.rms_norm(a, layer.attn_out_norm, eps)
         x, h = ops.add_rms_norm(a, h, layer.post_norm, eps)

@@ -4,7 +4,7 @@ Importing this package registers every family; `lookup(model_type, architectures
 description the loader and the model follow (see base.py and docs/dev/architectures.md).
 """
 
-from kobold_backend.engine.architectures import gemma, llama, moe, phi3, qwen2  # noqa: F401  (each registers its families)
+from kobold_backend.engine.architectures import gemma, llama, moe, phi3, qwen2, qwen3_5  # noqa: F401  (each registers its families)
 from kobold_backend.engine.architectures.base import (
     Architecture,
     Features,

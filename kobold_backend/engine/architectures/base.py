@@ -101,6 +101,12 @@ class Architecture:
             norms["k_norm"] = ("self_attn.k_norm", config.head_dim)
         return LayerLayout(linears, norms, f.biases)
 
+    def build_mixer(self, loader: Any, config: ConfigData, index: int) -> Optional[Any]:
+        """Hook for a token mixer other than the generic attention (linear attention, gated attention): an object
+        called as `mixer(x, cache, index, pos)` (see `Layer.mixer`); the layout then lists no q/k/v/o. None: the
+        generic attention."""
+        return None
+
     def build_mlp(self, loader: Any, config: ConfigData, index: int) -> Optional[Any]:
         """Hook for a non-dense MLP (routed experts): return an object the layer calls instead of gate/up/down.
 

@@ -1,0 +1,185 @@
+"""Qwen3.5 dense and MoE text models (`qwen3_5_text`, `qwen3_5_moe_text`): hybrid stacks of Gated DeltaNet linear
+attention (engine/linear_attention.py) and, every `full_attention_interval`-th layer (or as `layer_types` says),
+output-gated full attention with partial RoPE (engine/gated_attention.py).
+
+Checkpoint names under `model.layers.N.`:
+- linear layers: `linear_attn.{in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj}.weight`, `conv1d.weight`
+  [channels, 1, kernel], `dt_bias`, `A_log`, `norm.weight` (the gated RMSNorm, a plain weight);
+- full layers: `self_attn.{q_proj (query and gate per head), k_proj, v_proj, o_proj}`, `self_attn.{q,k}_norm`;
+- MLP: `mlp.{gate,up,down}_proj` (dense) or `mlp.gate` (router), `mlp.experts.E.{gate,up,down}_proj`,
+  `mlp.shared_expert.{gate,up,down}_proj`, `mlp.shared_expert_gate` (MoE: every layer routed, top-k renormalised).
+Every RMSNorm except the gated one is zero-centred, `(1 + weight)`: `norm_offset` 1. The multimodal checkpoints
+(`qwen3_5`, a vision tower and the decoder under `model.language_model.`) are not read here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+from kobold_backend.engine.architectures.base import Architecture, Features, LayerLayout, Linear, activation, register
+from kobold_backend.engine.config_types import ConfigData, rope_settings
+from kobold_backend.errors import ModelFormatError
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """The sizes of a Gated DeltaNet layer."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    kernel: int
+
+    @property
+    def channels(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+def _positive(raw: Dict[str, Any], key: str, where: str, default: Optional[int] = None) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelFormatError(f"{where}: {key} must be a positive integer, found {value!r}.")
+    return value
+
+
+def layer_kinds(raw: Dict[str, Any], layers: int, where: str) -> Tuple[str, ...]:
+    """"linear_attention" or "full_attention" per layer, from `layer_types` or `full_attention_interval`."""
+    types = raw.get("layer_types")
+    if types is None:
+        interval = _positive(raw, "full_attention_interval", where, 4)
+        return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers))
+    if not isinstance(types, list) or len(types) != layers or \
+            any(t not in ("linear_attention", "full_attention") for t in types):
+        raise ModelFormatError(f"{where}: layer_types must list 'linear_attention' or 'full_attention' for each of "
+                               f"the {layers} layers.")
+    return tuple(types)
+
+
+class Qwen3_5(Architecture):
+    model_types = ("qwen3_5_text",)
+    class_names = ("Qwen3_5ForCausalLM",)
+
+    def features(self, raw: Dict[str, Any], config: ConfigData, where: str) -> Features:
+        layer_kinds(raw, config.num_layers, where)
+        spec = self.linear_spec(raw, where)
+        if spec.value_heads % spec.key_heads:
+            raise ModelFormatError(f"{where}: linear_num_value_heads {spec.value_heads} is not a multiple of "
+                                   f"linear_num_key_heads {spec.key_heads}.")
+        rotary = self.rotary_dim(raw, config, where)
+        if rotary % 2:
+            raise ModelFormatError(f"{where}: the rotary part of a head ({rotary} values) must be even.")
+        if raw.get("attention_bias"):
+            raise ModelFormatError(f"{where}: attention_bias is not supported for Qwen3.5.")
+        return Features(norm_offset=1.0, activation=activation(raw, where))
+
+    @staticmethod
+    def linear_spec(raw: Dict[str, Any], where: str) -> LinearSpec:
+        return LinearSpec(_positive(raw, "linear_num_key_heads", where, 16),
+                          _positive(raw, "linear_num_value_heads", where, 32),
+                          _positive(raw, "linear_key_head_dim", where, 128),
+                          _positive(raw, "linear_value_head_dim", where, 128),
+                          _positive(raw, "linear_conv_kernel_dim", where, 4))
+
+    @staticmethod
+    def rotary_dim(raw: Dict[str, Any], config: ConfigData, where: str) -> int:
+        settings = rope_settings(raw) or {}
+        factor = settings.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
+        if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+            raise ModelFormatError(f"{where}: partial_rotary_factor must be in (0, 1], found {factor!r}.")
+        return int(config.head_dim * factor)
+
+    def mixer_linears(self, config: ConfigData, index: int) -> Dict[str, Linear]:
+        h = config.hidden_size
+        if layer_kinds(config.raw, config.num_layers, config.model_type)[index] == "full_attention":
+            qd, kvd = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+            return {"q_proj": Linear("self_attn.q_proj", h, 2 * qd), "k_proj": Linear("self_attn.k_proj", h, kvd),
+                    "v_proj": Linear("self_attn.v_proj", h, kvd), "o_proj": Linear("self_attn.o_proj", qd, h)}
+        s = self.linear_spec(config.raw, config.model_type)
+        vd = s.value_heads * s.value_dim
+        return {"in_proj_qkv": Linear("linear_attn.in_proj_qkv", h, s.channels),
+                "in_proj_z": Linear("linear_attn.in_proj_z", h, vd),
+                "in_proj_b": Linear("linear_attn.in_proj_b", h, s.value_heads),
+                "in_proj_a": Linear("linear_attn.in_proj_a", h, s.value_heads),
+                "out_proj": Linear("linear_attn.out_proj", vd, h)}
+
+    def layout(self, config: ConfigData, index: int) -> LayerLayout:
+        """The MLP as Llama's; the mixer's projections listed as `mlp_linears` (build_mixer loads them)."""
+        h, inter = config.hidden_size, config.intermediate_size
+        linears = {"gate_proj": Linear("mlp.gate_proj", h, inter), "up_proj": Linear("mlp.up_proj", h, inter),
+                   "down_proj": Linear("mlp.down_proj", inter, h)}
+        norms = {"input_norm": ("input_layernorm", h), "post_norm": ("post_attention_layernorm", h)}
+        return LayerLayout(linears, norms, (), {f"mixer.{k}": v for k, v in self.mixer_linears(config, index).items()})
+
+    def build_mixer(self, loader: Any, config: ConfigData, index: int) -> Any:
+        from kobold_backend.engine.gated_attention import GatedAttention
+        from kobold_backend.engine.linear_attention import GatedDeltaNet
+
+        lin = {k: loader.linear(v.prefix, v.in_features, v.out_features)
+               for k, v in self.mixer_linears(config, index).items()}
+        raw, where, eps = config.raw, config.model_type, config.rms_norm_eps
+        if "q_proj" in lin:
+            d = config.head_dim
+            return GatedAttention(lin["q_proj"], lin["k_proj"], lin["v_proj"], lin["o_proj"],
+                                  loader.dense("self_attn.q_norm.weight", (d,), 1.0),
+                                  loader.dense("self_attn.k_norm.weight", (d,), 1.0), config.num_heads,
+                                  config.num_kv_heads, d, self.rotary_dim(raw, config, where), config.rope_theta, eps)
+        s = self.linear_spec(raw, where)
+        conv = loader.dense("linear_attn.conv1d.weight", (s.channels, 1, s.kernel)).squeeze(1).contiguous()
+        return GatedDeltaNet(lin["in_proj_qkv"], lin["in_proj_z"], lin["in_proj_b"], lin["in_proj_a"], conv,
+                             loader.dense("linear_attn.dt_bias", (s.value_heads,)),
+                             loader.dense("linear_attn.A_log", (s.value_heads,)),
+                             loader.dense("linear_attn.norm.weight", (s.value_dim,)), lin["out_proj"],
+                             s.key_heads, s.value_heads, s.key_dim, s.value_dim, eps)
+
+
+class Qwen3_5Moe(Qwen3_5):
+    model_types = ("qwen3_5_moe_text",)
+    class_names = ("Qwen3_5MoeForCausalLM",)
+
+    def features(self, raw: Dict[str, Any], config: ConfigData, where: str) -> Features:
+        experts = _positive(raw, "num_experts", where)
+        if _positive(raw, "num_experts_per_tok", where) > experts:
+            raise ModelFormatError(f"{where}: num_experts_per_tok exceeds the {experts} experts.")
+        _positive(raw, "moe_intermediate_size", where)
+        _positive(raw, "shared_expert_intermediate_size", where)
+        return super().features(raw, config, where)
+
+    def layout(self, config: ConfigData, index: int) -> LayerLayout:
+        layout = super().layout(config, index)
+        raw, h = config.raw, config.hidden_size
+        inter, shared = raw["moe_intermediate_size"], raw["shared_expert_intermediate_size"]
+        mlp = dict(layout.mlp_linears)
+        mlp["router"] = Linear("mlp.gate", h, raw["num_experts"], quantized=False)
+        mlp["shared_gate"] = Linear("mlp.shared_expert_gate", h, 1, quantized=False)
+        for name, size in (("shared", shared),) + tuple((f"{e}", inter) for e in range(raw["num_experts"])):
+            prefix = "mlp.shared_expert" if name == "shared" else f"mlp.experts.{name}"
+            mlp[f"{name}.gate"] = Linear(f"{prefix}.gate_proj", h, size)
+            mlp[f"{name}.up"] = Linear(f"{prefix}.up_proj", h, size)
+            mlp[f"{name}.down"] = Linear(f"{prefix}.down_proj", size, h)
+        return LayerLayout({}, layout.norms, (), mlp)
+
+    def build_mlp(self, loader: Any, config: ConfigData, index: int) -> Any:
+        from kobold_backend.engine.model import ACTIVATIONS
+        from kobold_backend.engine.moe import RoutedExperts, stack_expert_mlps
+        from kobold_backend.engine.shared_expert import WithSharedExpert
+
+        mlp = self.layout(config, index).mlp_linears
+
+        def load(name: str) -> Any:
+            lin = mlp[name]
+            return loader.linear(lin.prefix, lin.in_features, lin.out_features)
+
+        experts = range(config.raw["num_experts"])
+        gate_up, up, down = stack_expert_mlps([load(f"{e}.gate") for e in experts],
+                                              [load(f"{e}.up") for e in experts],
+                                              [load(f"{e}.down") for e in experts])
+        act = ACTIVATIONS[config.features.activation]
+        routed = RoutedExperts(load("router"), gate_up, up, down, config.raw["num_experts_per_tok"], True, act)
+        return WithSharedExpert(routed, load("shared.gate"), load("shared.up"), load("shared.down"),
+                                load("shared_gate"), act)
+
+
+register(Qwen3_5())
+register(Qwen3_5Moe())
