@@ -1,0 +1,233 @@
+"""Qwen3.5 dense and MoE (hybrid Gated DeltaNet / gated attention) against transformers (CPU, float32).
+
+Fixtures are built by transformers' own classes (tests/fixtures/qwen35_checkpoints.py). Besides logits and greedy
+decoding, these tests follow the recurrent state through the cache: prompts prefilled in chunks (also across the
+64-token blocks of the chunked delta rule), the Generator's prefix reuse across requests (the next chat turn
+continues the state; a retry or an edit restores a snapshot), and the features that refuse such a state (context
+shift, CUDA graphs, speculation, beams).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List
+
+import pytest
+import torch
+
+from kobold_backend.engine.generator import GenerationRequest, Generator
+from kobold_backend.engine.loader import LoadedModel, load_model
+from kobold_backend.engine.sampling import SamplerSettings
+from tests.fixtures.hf_oracle import by_name, greedy_both, hf_load, hf_step, prompt_ids, row_rel_err
+from tests.fixtures.qwen35_checkpoints import SPECS, BuiltQwen35, build_qwen35
+
+NAMES = list(SPECS)
+LOGITS_ATOL = 1e-4
+GREEDY_TOKENS = 32
+MAX_SEQ = 256
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], BuiltQwen35]:
+    root = tmp_path_factory.mktemp("qwen35_fixtures")
+    return by_name(lambda name: build_qwen35(name, root))
+
+
+@pytest.fixture(scope="module")
+def ours(built) -> Callable[[str], LoadedModel]:
+    return by_name(lambda name: load_model(built(name).path, device="cpu", max_seq_len=MAX_SEQ))
+
+
+@pytest.fixture(scope="module")
+def hf(built) -> Callable[[str], torch.nn.Module]:
+    return by_name(lambda name: hf_load(built(name).path))
+
+
+def _greedy_ref(model: torch.nn.Module, prompt: List[int], steps: int) -> List[int]:
+    logits, past = hf_step(model, torch.tensor([prompt]), None)
+    tokens: List[int] = []
+    for _ in range(steps):
+        tokens.append(int(logits[0, -1].argmax()))
+        logits, past = hf_step(model, torch.tensor([[tokens[-1]]]), past)
+    return tokens
+
+
+def _greedy(tokens: List[int], n: int = GREEDY_TOKENS) -> GenerationRequest:
+    return GenerationRequest(tokens, n, SamplerSettings(temperature=0), ban_eos=True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_layers_are_hybrid(name: str, ours) -> None:
+    from kobold_backend.engine.gated_attention import GatedAttention
+    from kobold_backend.engine.linear_attention import GatedDeltaNet
+
+    model = ours(name).model
+    kinds = [type(layer.mixer) for layer in model.layers]
+    assert GatedDeltaNet in kinds and GatedAttention in kinds
+    cache = model.new_cache()
+    for layer, k, state in zip(model.layers, cache.k, cache.states):
+        linear = isinstance(layer.mixer, GatedDeltaNet)
+        assert (state is not None) == linear and k.shape[2] == (0 if linear else MAX_SEQ)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_transformers(name: str, built, ours, hf, record_property) -> None:
+    """150 tokens: three blocks of the chunked delta rule, the last one partial."""
+    ids = prompt_ids(built(name), 150, seed=1)
+    lm = ours(name)
+    logits = lm.model.forward(ids, lm.model.new_cache(), last_only=False)
+    with torch.no_grad():
+        ref = hf(name)(ids).logits
+    err = (logits - ref).abs().max().item()
+    record_property("max_abs_err", err)
+    assert err < LOGITS_ATOL and row_rel_err(logits, ref) < 1e-5, f"{name}: max |dlogits| {err:.3e}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_matches_transformers(name: str, built, ours, hf, record_property) -> None:
+    """A 16-token prompt prefilled in three chunks, then 32 greedy tokens one at a time, through each side's cache."""
+    run = greedy_both(ours(name), hf(name), prompt_ids(built(name), 16, seed=2), GREEDY_TOKENS, cuts=(5, 11))
+    gaps = [float(v.topk(2).values[0] - v.topk(2).values[1]) for v in run.ref_logits]
+    assert min(gaps) > 1e-3, f"fixture {name} has a near-tie on its greedy path (gap {min(gaps):.2e})"
+    assert len(set(run.ref_tokens)) > 3
+    err = max((a - b).abs().max().item() for a, b in zip(run.logits, run.ref_logits))
+    record_property("max_step_abs_err", err)
+    assert run.tokens == run.ref_tokens
+    assert err < LOGITS_ATOL, f"{name}: decode-step logits differ by {err:.3e}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_generator_reuses_the_state_across_requests(name: str, built, ours, hf) -> None:
+    """Through the Generator: a prompt, then the next turn (prompt + reply + new text) continuing the live state,
+    then the same turn again (a retry: the snapshot before its last token), then an edit early in the prompt (back
+    to the empty state). Every reply is transformers' greedy reply to the whole prompt."""
+    lm, ref = ours(name), hf(name)
+    gen = Generator(lm.model, lm.tokenizer)
+    assert not gen.use_graphs
+    first = prompt_ids(built(name), 20, seed=3)[0].tolist()
+    out = gen.generate(_greedy(first))
+    assert out.token_ids == _greedy_ref(ref, first, GREEDY_TOKENS) and out.reused_tokens == 0
+    turn = first + out.token_ids + prompt_ids(built(name), 9, seed=4)[0, 1:].tolist()
+    out2 = gen.generate(_greedy(turn))
+    assert out2.reused_tokens == len(first) + GREEDY_TOKENS - 1  # all the cache held: the reply's last was unfed
+    assert out2.token_ids == _greedy_ref(ref, turn, GREEDY_TOKENS)
+    again = gen.generate(_greedy(turn))
+    assert again.reused_tokens == len(turn) - 1 and again.token_ids == out2.token_ids
+    edit = first[:10] + prompt_ids(built(name), 12, seed=5)[0, 1:].tolist()
+    out3 = gen.generate(_greedy(edit, 16))
+    assert out3.reused_tokens == 0 and out3.token_ids == _greedy_ref(ref, edit, 16)
+
+
+def test_truncate_restores_a_snapshot_and_refuses_other_lengths(built, ours) -> None:
+    lm = ours("qwen35")
+    ids = prompt_ids(built("qwen35"), 40, seed=6)
+    fresh = lm.model.forward(ids, lm.model.new_cache(), last_only=False)[:, 25:]
+    cache = lm.model.new_cache()
+    lm.model.forward(ids[:, :25], cache)
+    cache.tokens.extend(ids[0, :25].tolist())
+    cache.snapshot()
+    other = prompt_ids(built("qwen35"), 30, seed=7)[:, 1:]
+    lm.model.forward(other, cache)
+    cache.tokens.extend(other[0].tolist())
+    assert cache.restorable(40) == 25 and cache.restorable(24) == 0
+    with pytest.raises(ValueError, match="cannot return to length 30"):
+        cache.truncate(30)
+    cache.truncate(25)
+    assert row_rel_err(lm.model.forward(ids[:, 25:], cache, last_only=False), fresh) < 1e-5
+
+
+def test_banned_phrase_rewind_recomputes_from_a_snapshot(built, ours) -> None:
+    """A rewind inside the reply (no snapshot there) re-runs from the prompt's snapshot: the output is what the
+    same request gives on a fresh cache."""
+    lm = ours("qwen35")
+    prompt = prompt_ids(built("qwen35"), 20, seed=8)[0].tolist()
+    plain = Generator(lm.model, lm.tokenizer).generate(_greedy(prompt, 24))
+    text = lm.tokenizer.decode(plain.token_ids[4:7]).strip()
+    assert len(text) > 1
+    req = GenerationRequest(prompt, 24, SamplerSettings(temperature=0), ban_eos=True, banned_strings=[text])
+    warm = Generator(lm.model, lm.tokenizer)
+    warm.generate(_greedy(prompt, 4))
+    got = warm.generate(req)
+    want = Generator(lm.model, lm.tokenizer, cache=lm.model.new_cache()).generate(req)
+    assert got.token_ids == want.token_ids and got.token_ids != plain.token_ids
+    assert text.lower() not in lm.tokenizer.decode(got.token_ids).lower()
+
+
+def test_refused_features_say_why(built, ours) -> None:
+    from kobold_backend.engine.decode_graph import graphs_supported
+    from kobold_backend.engine.speculative import SpeculationConfig
+    from kobold_backend.errors import RequestError
+
+    lm = ours("qwen35")
+    model = lm.model
+    assert model.recurrent and not graphs_supported(model)
+    cache = model.new_cache()
+    model.forward(prompt_ids(built("qwen35"), 12, seed=9), cache)
+    with pytest.raises(ValueError, match="cannot be shifted"):
+        model.shift_cache(cache, 2, 4)
+    with pytest.raises(ValueError, match="no CUDA graphs"):
+        model.decode_step(torch.tensor([[5]]), torch.tensor([12]), cache, 64)
+    gen = Generator(model, lm.tokenizer)
+    with pytest.raises(RequestError, match="beam search"):
+        gen.generate(GenerationRequest([1, 5, 6], 4, num_beams=2))
+    gen.use_speculation(SpeculationConfig("ngram", 4))
+    prompt = prompt_ids(built("qwen35"), 20, seed=10)[0].tolist()
+    out = gen.generate(_greedy(prompt, 8))
+    assert "linear-attention" in gen.stats.speculation.fallback
+    assert out.token_ids == Generator(model, lm.tokenizer).generate(_greedy(prompt, 8)).token_ids
+
+
+def test_context_shift_falls_back_to_the_common_prefix(built, ours, hf) -> None:
+    """A prompt with a span cut out after its start (what a full context gets) reuses only the common prefix."""
+    lm = ours("qwen35")
+    gen = Generator(lm.model, lm.tokenizer)
+    ids = prompt_ids(built("qwen35"), 90, seed=11)[0].tolist()
+    gen.generate(_greedy(ids[:80], 4))
+    cut = ids[:4] + ids[40:90]
+    out = gen.generate(_greedy(cut, 8))
+    assert out.reused_tokens == 0 and out.token_ids == _greedy_ref(hf("qwen35"), cut, 8)
+
+
+@pytest.mark.parametrize("cache_dtype, bound", [("q8", 1e-2), ("k8v4", 0.25)])
+def test_quantized_kv_cache_on_the_attention_layers(cache_dtype: str, bound: float, built) -> None:
+    """The full-attention layers' K/V quantized (head_dim 32), the linear states in float32: logits near fp32
+    (4-bit values of this random model's heads alone move them by ~0.12, as tests/test_kv_quant.py measures)."""
+    from kobold_backend.ops.kv_quant import QuantizedKV
+
+    lm = load_model(built("qwen35").path, device="cpu", max_seq_len=MAX_SEQ, cache_dtype=cache_dtype)
+    ids = prompt_ids(built("qwen35"), 40, seed=12)
+    plain = load_model(built("qwen35").path, device="cpu", max_seq_len=MAX_SEQ)
+    want = plain.model.forward(ids, plain.model.new_cache(), last_only=False)
+    cache = lm.model.new_cache()
+    assert isinstance(cache.k[1], QuantizedKV) and cache.states[1] is None and cache.states[0] is not None
+    got = torch.cat([lm.model.forward(ids[:, :30], cache, last_only=False),
+                     lm.model.forward(ids[:, 30:], cache, last_only=False)], dim=1)
+    assert 1e-6 < row_rel_err(got, want) < bound
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU (the lead's device run): float16 and float32 on CUDA along transformers' greedy path, teacher-forced.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, bound", [("float16", 2e-2), ("float32", 1e-4)])
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_matches_transformers(name: str, dtype: str, bound: float, built, hf, record_property) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    lm = load_model(built(name).path, device="cuda", dtype=dtype, max_seq_len=MAX_SEQ)
+    prompt = prompt_ids(built(name), 100, seed=13)
+    cache = lm.model.new_cache()
+    got = lm.model.forward(prompt.cuda(), cache)
+    ref, past = hf_step(hf(name), prompt, None)
+    errs = [row_rel_err(got.float().cpu(), ref[:, -1:])]
+    for _ in range(24):
+        token = ref[:, -1:].argmax(-1)
+        step = lm.model.forward(token.cuda(), cache)[0, -1]
+        ref, past = hf_step(hf(name), token, past)
+        errs.append(row_rel_err(step.float().cpu(), ref[0, -1]))
+    record_property("step_rel_errs", errs)
+    out = Generator(lm.model, lm.tokenizer).generate(_greedy(prompt[0].tolist(), 16))
+    lm.unload()
+    assert max(errs) < bound, f"{name} {dtype}: relative logit errors {sorted(errs)[-3:]}"
+    if dtype == "float32":
+        assert out.token_ids == _greedy_ref(hf(name), prompt[0].tolist(), 16)
