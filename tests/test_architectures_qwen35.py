@@ -20,7 +20,7 @@ from kobold_backend.engine.sampling import SamplerSettings
 from tests.fixtures.hf_oracle import by_name, greedy_both, hf_load, hf_step, prompt_ids, row_rel_err
 from tests.fixtures.qwen35_checkpoints import SPECS, BuiltQwen35, build_qwen35
 
-NAMES = list(SPECS)
+NAMES = [name for name, spec in SPECS.items() if not spec.vision]
 LOGITS_ATOL = 1e-4
 GREEDY_TOKENS = 32
 MAX_SEQ = 256
@@ -115,6 +115,26 @@ def test_generator_reuses_the_state_across_requests(name: str, built, ours, hf) 
     edit = first[:10] + prompt_ids(built(name), 12, seed=5)[0, 1:].tolist()
     out3 = gen.generate(_greedy(edit, 16))
     assert out3.reused_tokens == 0 and out3.token_ids == _greedy_ref(ref, edit, 16)
+
+
+def test_multimodal_checkpoint_loads_its_text_model(built, record_property) -> None:
+    """The released repos' layout: config.json's text_config, the decoder under model.language_model.; the vision
+    tower is not read. Logits equal transformers' Qwen3_5ForConditionalGeneration on text input."""
+    import transformers
+
+    fixture = built("qwen35_vl")
+    lm = load_model(fixture.path, device="cpu", max_seq_len=MAX_SEQ)
+    assert lm.config.architecture == "Qwen3_5ForConditionalGeneration" and lm.config.num_layers == 2
+    held = sum(t.numel() for layer in lm.model.layers for t in layer.tensors())
+    ref = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(str(fixture.path), dtype=torch.float32)
+    decoder = sum(p.numel() for n, p in ref.named_parameters() if ".layers." in n and "visual" not in n)
+    assert held == decoder
+    ids = prompt_ids(fixture, 40, seed=14)
+    with torch.no_grad():
+        want = ref.eval()(input_ids=ids).logits
+    err = (lm.model.forward(ids, lm.model.new_cache(), last_only=False) - want).abs().max().item()
+    record_property("max_abs_err", err)
+    assert err < LOGITS_ATOL
 
 
 def test_truncate_restores_a_snapshot_and_refuses_other_lengths(built, ours) -> None:

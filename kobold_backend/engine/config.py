@@ -86,6 +86,7 @@ class ModelConfig(ConfigData):
         model_type = raw.get("model_type")
         archs = raw.get("architectures") or []
         arch = lookup(model_type, archs, where)
+        raw = arch.text_config(raw, where)
         try:
             hidden = int(raw["hidden_size"])
             inter = int(raw.get("intermediate_size") or raw["moe_intermediate_size"])  # MoE-only stacks

@@ -129,6 +129,7 @@ def load_model(
         config = ModelConfig.from_dir(folder)
         tokenizer = load_tokenizer(folder, config.bos_token_id, config.eos_token_ids) if with_tokenizer else None
         reader = WeightReader(folder)
+        reader.rename(config.description.stored_names(reader.names()))
         config = with_exl2_detected(config, reader.names())
     with reader:
         if speculative == "draft" and draft_model is not None and tokenizer is not None:

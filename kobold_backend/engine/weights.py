@@ -47,6 +47,7 @@ class WeightReader:
         self._stack = ExitStack()
         self._handles: Dict[str, object] = {}
         self._where: Dict[str, object] = {}
+        self._stored: Dict[str, str] = {}
         for path in self.files:
             try:
                 handle = self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
@@ -73,9 +74,16 @@ class WeightReader:
     def names(self) -> List[str]:
         return list(self._where)
 
+    def rename(self, stored: Dict[str, str]) -> None:
+        """Read the tensors of `stored` (engine name -> name in the files) under their engine names only (a
+        multimodal checkpoint's text model under `language_model.`)."""
+        for name, source in stored.items():
+            self._where[name] = self._where.pop(source)
+            self._stored[name] = source
+
     def shape(self, name: str) -> Tuple[int, ...]:
         handle = self._handle(name)
-        return tuple(handle.get_slice(name).get_shape())  # type: ignore[attr-defined]
+        return tuple(handle.get_slice(self._stored.get(name, name)).get_shape())  # type: ignore[attr-defined]
 
     def get_shape_checked(self, name: str, shape: Sequence[int]) -> None:
         """A ModelFormatError naming the tensor when its header's shape is not `shape` (nothing is read)."""
@@ -89,7 +97,7 @@ class WeightReader:
         if shape is not None:
             self.get_shape_checked(name, shape)
         try:
-            return handle.get_tensor(name)  # type: ignore[attr-defined]
+            return handle.get_tensor(self._stored.get(name, name))  # type: ignore[attr-defined]
         except Exception as exc:
             raise ModelFormatError(f"Tensor {name} could not be read ({exc}).") from None
 

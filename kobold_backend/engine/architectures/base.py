@@ -9,7 +9,7 @@ is one module in this package that subclasses `Architecture` and registers itsel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from kobold_backend.engine.config_types import ConfigData, Features, RopeSpec
 from kobold_backend.errors import ModelFormatError
@@ -100,6 +100,16 @@ class Architecture:
             norms["q_norm"] = ("self_attn.q_norm", config.head_dim)
             norms["k_norm"] = ("self_attn.k_norm", config.head_dim)
         return LayerLayout(linears, norms, f.biases)
+
+    def text_config(self, raw: Dict[str, Any], where: str) -> Dict[str, Any]:
+        """The config of the decoder this engine runs; a multimodal checkpoint's description returns its
+        `text_config` (with what it needs from the outer config). The default is `raw` itself."""
+        return raw
+
+    def stored_names(self, names: List[str]) -> Dict[str, str]:
+        """Tensors the checkpoint stores under other names than the engine reads (`model.layers.N...`,
+        `model.embed_tokens`, `model.norm`, `lm_head`): engine name -> stored name. The default is none."""
+        return {}
 
     def build_mixer(self, loader: Any, config: ConfigData, index: int) -> Optional[Any]:
         """Hook for a token mixer other than the generic attention (linear attention, gated attention): an object

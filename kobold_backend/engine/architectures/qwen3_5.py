@@ -8,14 +8,17 @@ Checkpoint names under `model.layers.N.`:
 - full layers: `self_attn.{q_proj (query and gate per head), k_proj, v_proj, o_proj}`, `self_attn.{q,k}_norm`;
 - MLP: `mlp.{gate,up,down}_proj` (dense) or `mlp.gate` (router), `mlp.experts.E.{gate,up,down}_proj`,
   `mlp.shared_expert.{gate,up,down}_proj`, `mlp.shared_expert_gate` (MoE: every layer routed, top-k renormalised).
-Every RMSNorm except the gated one is zero-centred, `(1 + weight)`: `norm_offset` 1. The multimodal checkpoints
-(`qwen3_5`, a vision tower and the decoder under `model.language_model.`) are not read here.
+Every RMSNorm except the gated one is zero-centred, `(1 + weight)`: `norm_offset` 1.
+
+The released checkpoints are multimodal (`qwen3_5` / `qwen3_5_moe`, *ForConditionalGeneration): the decoder's
+settings are under `text_config` and its tensors under `model.language_model.` (`lm_head` at the top); the vision
+tower (`model.visual.`) and the multi-token-prediction head (`mtp.`) are not loaded: this engine runs text only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from kobold_backend.engine.architectures.base import Architecture, Features, LayerLayout, Linear, activation, register
 from kobold_backend.engine.config_types import ConfigData, rope_settings
@@ -181,5 +184,39 @@ class Qwen3_5Moe(Qwen3_5):
                                 load("shared_gate"), act)
 
 
+_TEXT_PREFIX = "model.language_model."
+
+
+class _Multimodal:
+    """The text model of a multimodal checkpoint: `text_config` and the `model.language_model.` tensors."""
+
+    def text_config(self, raw: Dict[str, Any], where: str) -> Dict[str, Any]:
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ModelFormatError(f"{where}: a {raw.get('model_type')} config.json must hold the text model's "
+                                   "settings in text_config.")
+        merged = dict(text, model_type=raw["model_type"], architectures=raw.get("architectures") or [])
+        for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "quantization_config", "torch_dtype",
+                    "dtype"):
+            if raw.get(key) is not None:
+                merged[key] = raw[key]
+        return merged
+
+    def stored_names(self, names: List[str]) -> Dict[str, str]:
+        return {"model." + name[len(_TEXT_PREFIX):]: name for name in names if name.startswith(_TEXT_PREFIX)}
+
+
+class Qwen3_5Multimodal(_Multimodal, Qwen3_5):
+    model_types = ("qwen3_5",)
+    class_names = ("Qwen3_5ForConditionalGeneration",)
+
+
+class Qwen3_5MoeMultimodal(_Multimodal, Qwen3_5Moe):
+    model_types = ("qwen3_5_moe",)
+    class_names = ("Qwen3_5MoeForConditionalGeneration",)
+
+
 register(Qwen3_5())
 register(Qwen3_5Moe())
+register(Qwen3_5Multimodal())
+register(Qwen3_5MoeMultimodal())
