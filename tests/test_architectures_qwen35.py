@@ -137,6 +137,18 @@ def test_multimodal_checkpoint_loads_its_text_model(built, record_property) -> N
     assert err < LOGITS_ATOL
 
 
+@pytest.mark.parametrize("name", list(SPECS))
+def test_planned_shapes_are_the_checkpoints(name: str, built) -> None:
+    """Every decoder tensor the description lays out (for split plans and synthetic checkpoints) is in the file
+    with that shape, and nothing of the decoder is left out."""
+    from kobold_backend.engine.config import ModelConfig
+    from kobold_backend.engine.device_map import checkpoint_shapes, config_shapes
+
+    path = built(name).path
+    stored = {k: v for k, v in checkpoint_shapes(path).items() if k.startswith(("model.", "lm_head"))}
+    assert config_shapes(ModelConfig.from_dir(path)) == {k: v for k, v in stored.items() if ".visual." not in k}
+
+
 def test_truncate_restores_a_snapshot_and_refuses_other_lengths(built, ours) -> None:
     lm = ours("qwen35")
     ids = prompt_ids(built("qwen35"), 40, seed=6)

@@ -42,6 +42,7 @@ class PlanError(KoboldBackendError, ValueError):
 def checkpoint_shapes(folder: Union[str, Path]) -> Shapes:
     """Every tensor's shape from the safetensors headers; no tensor data is read."""
     with WeightReader(folder) as reader:
+        reader.rename(ModelConfig.from_dir(folder).description.stored_names(reader.names()))
         return {name: reader.shape(name) for name in reader.names()}
 
 
@@ -58,6 +59,7 @@ def config_shapes(config: ModelConfig) -> Shapes:
         layout = config.description.layout(config, i)
         for ckpt, size in layout.norms.values():
             shapes[f"{p}.{ckpt}.weight"] = (size,)
+        shapes.update({f"{p}.{name}": shape for name, shape in layout.tensors.items()})
         for name, lin in {**layout.linears, **layout.mlp_linears}.items():
             k, n = lin.in_features, lin.out_features
             if name in layout.biased:

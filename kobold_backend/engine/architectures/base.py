@@ -48,6 +48,8 @@ class LayerLayout:
     #: linears the architecture's `build_mlp` loads itself (routed experts, router): listed so the split planner
     #: and the bench's synthetic checkpoints know them; the generic loader does not read them
     mlp_linears: Dict[str, Linear] = field(default_factory=dict)
+    #: other tensors `build_mlp` reads (checkpoint name under `model.layers.N.` -> shape): GLM-4.5's router bias
+    tensors: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
 
 
 class Architecture:

@@ -113,7 +113,16 @@ class Qwen3_5(Architecture):
         linears = {"gate_proj": Linear("mlp.gate_proj", h, inter), "up_proj": Linear("mlp.up_proj", h, inter),
                    "down_proj": Linear("mlp.down_proj", inter, h)}
         norms = {"input_norm": ("input_layernorm", h), "post_norm": ("post_attention_layernorm", h)}
-        return LayerLayout(linears, norms, (), {f"mixer.{k}": v for k, v in self.mixer_linears(config, index).items()})
+        mixer = {f"mixer.{k}": v for k, v in self.mixer_linears(config, index).items()}
+        return LayerLayout(linears, norms, (), mixer, self.mixer_tensors(config, index))
+
+    def mixer_tensors(self, config: ConfigData, index: int) -> Dict[str, Tuple[int, ...]]:
+        """The mixer's tensors besides its linears (checkpoint name -> shape)."""
+        if layer_kinds(config.raw, config.num_layers, config.model_type)[index] == "full_attention":
+            return {"self_attn.q_norm.weight": (config.head_dim,), "self_attn.k_norm.weight": (config.head_dim,)}
+        s = self.linear_spec(config.raw, config.model_type)
+        return {"linear_attn.conv1d.weight": (s.channels, 1, s.kernel), "linear_attn.dt_bias": (s.value_heads,),
+                "linear_attn.A_log": (s.value_heads,), "linear_attn.norm.weight": (s.value_dim,)}
 
     def build_mixer(self, loader: Any, config: ConfigData, index: int) -> Any:
         from kobold_backend.engine.gated_attention import GatedAttention
@@ -161,7 +170,7 @@ class Qwen3_5Moe(Qwen3_5):
             mlp[f"{name}.gate"] = Linear(f"{prefix}.gate_proj", h, size)
             mlp[f"{name}.up"] = Linear(f"{prefix}.up_proj", h, size)
             mlp[f"{name}.down"] = Linear(f"{prefix}.down_proj", size, h)
-        return LayerLayout({}, layout.norms, (), mlp)
+        return LayerLayout({}, layout.norms, (), mlp, layout.tensors)
 
     def build_mlp(self, loader: Any, config: ConfigData, index: int) -> Any:
         from kobold_backend.engine.model import ACTIVATIONS
