@@ -13,12 +13,16 @@ from typing import Callable, List
 
 import pytest
 import torch
+import transformers
 
 from kobold_backend.engine.generator import GenerationRequest, Generator
 from kobold_backend.engine.loader import LoadedModel, load_model
 from kobold_backend.engine.sampling import SamplerSettings
 from tests.fixtures.hf_oracle import by_name, greedy_both, hf_load, hf_step, prompt_ids, row_rel_err
 from tests.fixtures.qwen35_checkpoints import SPECS, BuiltQwen35, build_qwen35
+
+if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+    pytest.skip(f"transformers {transformers.__version__} has no Qwen3.5 classes (the oracle)", allow_module_level=True)
 
 NAMES = [name for name, spec in SPECS.items() if not spec.vision]
 LOGITS_ATOL = 1e-4
@@ -120,8 +124,6 @@ def test_generator_reuses_the_state_across_requests(name: str, built, ours, hf) 
 def test_multimodal_checkpoint_loads_its_text_model(built, record_property) -> None:
     """The released repos' layout: config.json's text_config, the decoder under model.language_model.; the vision
     tower is not read. Logits equal transformers' Qwen3_5ForConditionalGeneration on text input."""
-    import transformers
-
     fixture = built("qwen35_vl")
     lm = load_model(fixture.path, device="cpu", max_seq_len=MAX_SEQ)
     assert lm.config.architecture == "Qwen3_5ForConditionalGeneration" and lm.config.num_layers == 2
@@ -263,3 +265,39 @@ def test_gpu_matches_transformers(name: str, dtype: str, bound: float, built, hf
     assert max(errs) < bound, f"{name} {dtype}: relative logit errors {sorted(errs)[-3:]}"
     if dtype == "float32":
         assert out.token_ids == _greedy_ref(hf(name), prompt[0].tolist(), 16)
+
+
+def test_lora_applies_to_the_mlp_and_refuses_the_mixers(built, ours, tmp_path) -> None:
+    """A peft adapter on the MLP matches peft's merged model; one on the attention projections is refused (the
+    mixers take no low-rank deltas)."""
+    from kobold_backend.engine.passthrough import PassthroughConfig, build_passthrough
+    from kobold_backend.errors import RequestError
+    from tests.test_passthrough import ours_logits
+    from tests.test_passthrough_lora import make_adapter, peft_merged
+
+    fixture, lm = built("qwen35"), ours("qwen35")
+    make_adapter(fixture.path, tmp_path / "mlp", seed=1, target_modules=["gate_proj", "up_proj", "down_proj"])
+    make_adapter(fixture.path, tmp_path / "attn", seed=2, target_modules=["q_proj", "v_proj"])
+    config = PassthroughConfig(lora_dir=tmp_path)
+    ids = prompt_ids(fixture, 20, seed=15)
+    got = ours_logits(lm, ids, build_passthrough({"lora": [{"name": "mlp"}]}, lm.model, config))
+    with torch.no_grad():
+        ref = peft_merged(fixture.path, {"mlp": tmp_path / "mlp"})(ids).logits
+    assert row_rel_err(got, ours_logits(lm, ids, None)) > 1e-2 and row_rel_err(got, ref) < 1e-4
+    with pytest.raises(RequestError, match="token mixer"):
+        build_passthrough({"lora": [{"name": "attn"}]}, lm.model, config)
+
+
+def test_lockstep_rows_copy_the_prefilled_state(built, ours, hf) -> None:
+    """n = 2 completions in lockstep: row 1's cache is a copy of row 0's prefill, recurrent states included."""
+    lm = ours("qwen35")
+    prompt = prompt_ids(built("qwen35"), 20, seed=16)[0].tolist()
+    req = GenerationRequest(prompt, 12, SamplerSettings(temperature=0), ban_eos=True, n=2)
+    rows = Generator(lm.model, lm.tokenizer).stream_rows(req)
+    try:
+        got = [[e.token_id for e in row if e.token_id is not None] for row in rows]
+    finally:
+        for row in rows:
+            row.close()
+    want = _greedy_ref(hf("qwen35"), prompt, 12)
+    assert got == [want, want]

@@ -109,6 +109,9 @@ def load_lora(folder: Path, model: Any) -> LoraAdapter:
                                           f"LoRA to (supported: {', '.join(list(PROJECTIONS) + list(FUSED))})")
                 if layer >= num_layers:
                     raise LoraFormatError(f"tensor {key} is for layer {layer} but the model has {num_layers} layers")
+                if block == "self_attn" and model.layers[layer].mixer is not None:
+                    raise LoraFormatError(f"tensor {key} targets the attention of layer {layer}, whose token mixer "
+                                          "(linear or gated attention) takes no LoRA; only its MLP can be adapted")
                 pieces.setdefault((layer, proj), {})[which] = f.get_tensor(key)
     except LoraFormatError:
         raise
