@@ -151,6 +151,19 @@ def test_planned_shapes_are_the_checkpoints(name: str, built) -> None:
     assert config_shapes(ModelConfig.from_dir(path)) == {k: v for k, v in stored.items() if ".visual." not in k}
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_split_planner_counts_states_not_kv_on_linear_layers(name: str, built, ours) -> None:
+    """The planner's cache bytes are the allocated cache's: K/V for the attention layers, a fixed state for the
+    linear ones; its weight bytes are the loaded model's."""
+    from kobold_backend.engine.device_map import plan_device_map
+
+    lm = ours(name)
+    dm = plan_device_map(built(name).path, None, MAX_SEQ, layer_counts={"cpu": lm.config.num_layers})
+    (usage,) = dm.usage
+    assert usage.cache_bytes == lm.model.new_cache().nbytes
+    assert usage.weight_bytes == lm.model.nbytes
+
+
 def test_truncate_restores_a_snapshot_and_refuses_other_lengths(built, ours) -> None:
     lm = ours("qwen35")
     ids = prompt_ids(built("qwen35"), 40, seed=6)

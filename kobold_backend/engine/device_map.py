@@ -146,13 +146,17 @@ class Sizes:
                 total += self.linear(name[: -len(".qweight")], elem, with_bias=False)
             elif name.endswith(".q_weight"):
                 total += self._exl2(name[: -len(".q_weight")])
-            elif name.endswith((".weight", ".bias")):
+            elif name.endswith((".weight", ".bias", "_bias", ".A_log")):  # dt_bias, A_log: Qwen3.5's decay
                 total += _numel(shape) * elem
         return total
 
-    def cache(self, elem: int) -> int:
-        """K and V of one layer for max_seq_len positions, in the layer's dtype (`elem` bytes) or quantized."""
+    def cache(self, elem: int, index: Optional[int] = None) -> int:
+        """K and V of one layer for max_seq_len positions, in the layer's dtype (`elem` bytes) or quantized; for
+        layer `index` with a fixed-size state instead (linear attention), that state."""
         c = self.config
+        state = None if index is None else c.description.state_bytes(c, index, elem)
+        if state is not None:
+            return self.batch_size * state
         per_token = cache_bytes_per_token(self.cache_dtype, c.num_kv_heads, c.head_dim, elem)
         return self.batch_size * self.max_seq_len * per_token
 
@@ -486,7 +490,7 @@ def _account(sizes: Sizes, layer_devices: List[str], head: str, embed_on_cpu: bo
             u.buffer_bytes += sizes.working(e) + sizes.rope(e)
         u.layers.append(i)
         u.weight_bytes += sizes.layer(i, e)
-        u.cache_bytes += sizes.cache(e)
+        u.cache_bytes += sizes.cache(e, i)
     w, b = _head_bytes(sizes, head, embed_dev, gpu_dtype)
     usage[head].weight_bytes += w
     usage[head].buffer_bytes += b

@@ -231,10 +231,11 @@ def check_cache_memory(config: ModelConfig, per_layer: Sequence[torch.device], d
                        seq_len: int, cache_dtype: str = "fp16") -> None:
     """Refuse a context whose KV cache alone is larger than the free memory of a device it would go on."""
     need: Dict[torch.device, int] = {}
-    for dev in per_layer:
+    for index, dev in enumerate(per_layer):
         size = torch.tensor([], dtype=_dtype_for(dev, dtype)).element_size()
-        need[dev] = need.get(dev, 0) + seq_len * cache_bytes_per_token(cache_dtype, config.num_kv_heads,
-                                                                       config.head_dim, size)
+        state = config.description.state_bytes(config, index, size)
+        need[dev] = need.get(dev, 0) + (state if state is not None else seq_len * cache_bytes_per_token(
+            cache_dtype, config.num_kv_heads, config.head_dim, size))
     for dev, nbytes in need.items():
         free = _available_bytes(dev)
         if free is not None and nbytes > free:

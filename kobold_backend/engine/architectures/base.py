@@ -113,6 +113,11 @@ class Architecture:
         `model.embed_tokens`, `model.norm`, `lm_head`): engine name -> stored name. The default is none."""
         return {}
 
+    def state_bytes(self, config: ConfigData, index: int, elem: int) -> Optional[int]:
+        """Bytes of the fixed-size state layer `index` keeps in the cache instead of K/V (one sequence, `elem`:
+        bytes of the layer's dtype), or None when the layer keeps K/V per position (the default)."""
+        return None
+
     def build_mixer(self, loader: Any, config: ConfigData, index: int) -> Optional[Any]:
         """Hook for a token mixer other than the generic attention (linear attention, gated attention): an object
         called as `mixer(x, cache, index, pos)` (see `Layer.mixer`); the layout then lists no q/k/v/o. None: the

@@ -124,6 +124,13 @@ class Qwen3_5(Architecture):
         return {"linear_attn.conv1d.weight": (s.channels, 1, s.kernel), "linear_attn.dt_bias": (s.value_heads,),
                 "linear_attn.A_log": (s.value_heads,), "linear_attn.norm.weight": (s.value_dim,)}
 
+    def state_bytes(self, config: ConfigData, index: int, elem: int) -> Optional[int]:
+        """A linear layer's conv state (kernel - 1 inputs, the layer's dtype) and float32 recurrent state."""
+        if layer_kinds(config.raw, config.num_layers, config.model_type)[index] == "full_attention":
+            return None
+        s = self.linear_spec(config.raw, config.model_type)
+        return s.channels * (s.kernel - 1) * elem + s.value_heads * s.key_dim * s.value_dim * 4
+
     def build_mixer(self, loader: Any, config: ConfigData, index: int) -> Any:
         from kobold_backend.engine.gated_attention import GatedAttention
         from kobold_backend.engine.linear_attention import GatedDeltaNet
