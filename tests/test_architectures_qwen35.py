@@ -24,7 +24,7 @@ from tests.fixtures.qwen35_checkpoints import SPECS, BuiltQwen35, build_qwen35
 if not hasattr(transformers, "Qwen3_5ForCausalLM"):
     pytest.skip(f"transformers {transformers.__version__} has no Qwen3.5 classes (the oracle)", allow_module_level=True)
 
-NAMES = [name for name, spec in SPECS.items() if not spec.vision]
+NAMES = [name for name, spec in SPECS.items() if not spec.vision]  # dense, MoE and GPTQ text models
 LOGITS_ATOL = 1e-4
 GREEDY_TOKENS = 32
 MAX_SEQ = 256
@@ -43,7 +43,7 @@ def ours(built) -> Callable[[str], LoadedModel]:
 
 @pytest.fixture(scope="module")
 def hf(built) -> Callable[[str], torch.nn.Module]:
-    return by_name(lambda name: hf_load(built(name).path))
+    return by_name(lambda name: hf_load(built(name).oracle_path))
 
 
 def _greedy_ref(model: torch.nn.Module, prompt: List[int], steps: int) -> List[int]:
@@ -67,6 +67,12 @@ def test_layers_are_hybrid(name: str, ours) -> None:
     model = ours(name).model
     kinds = [type(layer.mixer) for layer in model.layers]
     assert GatedDeltaNet in kinds and GatedAttention in kinds
+    if name.endswith("gptq"):
+        from kobold_backend.ops.gptq_weight import GPTQWeight
+
+        mixers = [layer.mixer for layer in model.layers]
+        assert all(isinstance(m.in_qkv, GPTQWeight) for m in mixers if isinstance(m, GatedDeltaNet))
+        assert all(isinstance(m.q_proj, GPTQWeight) for m in mixers if isinstance(m, GatedAttention))
     cache = model.new_cache()
     for layer, k, state in zip(model.layers, cache.k, cache.states):
         linear = isinstance(layer.mixer, GatedDeltaNet)

@@ -103,8 +103,9 @@ class Qwen3_5(Architecture):
         vd = s.value_heads * s.value_dim
         return {"in_proj_qkv": Linear("linear_attn.in_proj_qkv", h, s.channels),
                 "in_proj_z": Linear("linear_attn.in_proj_z", h, vd),
-                "in_proj_b": Linear("linear_attn.in_proj_b", h, s.value_heads),
-                "in_proj_a": Linear("linear_attn.in_proj_a", h, s.value_heads),
+                # one value per head: GPTQ repos keep them dense (the loader reads either way)
+                "in_proj_b": Linear("linear_attn.in_proj_b", h, s.value_heads, quantized=False),
+                "in_proj_a": Linear("linear_attn.in_proj_a", h, s.value_heads, quantized=False),
                 "out_proj": Linear("linear_attn.out_proj", vd, h)}
 
     def layout(self, config: ConfigData, index: int) -> LayerLayout:
