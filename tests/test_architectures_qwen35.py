@@ -229,6 +229,14 @@ def test_refused_features_say_why(built, ours) -> None:
     assert out.token_ids == Generator(model, lm.tokenizer).generate(_greedy(prompt, 8)).token_ids
 
 
+def test_a_linear_attention_draft_model_is_refused(built) -> None:
+    from kobold_backend.errors import ModelFormatError
+
+    path = built("qwen35").path
+    with pytest.raises(ModelFormatError, match="linear-attention layers"):
+        load_model(path, device="cpu", max_seq_len=MAX_SEQ, speculative="draft", draft_model=path, draft_tokens=4)
+
+
 def test_context_shift_falls_back_to_the_common_prefix(built, ours, hf) -> None:
     """A prompt with a span cut out after its start (what a full context gets) reuses only the common prefix."""
     lm = ours("qwen35")

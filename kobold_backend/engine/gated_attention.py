@@ -8,7 +8,7 @@ output is multiplied by sigmoid(gate) before o_proj. Keys and values go to the l
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 
@@ -25,7 +25,7 @@ class GatedAttention:
 
     def __init__(self, q_proj: Weight, k_proj: Weight, v_proj: Weight, o_proj: Weight, q_norm: torch.Tensor,
                  k_norm: torch.Tensor, heads: int, kv_heads: int, head_dim: int, rotary_dim: int, theta: float,
-                 eps: float, biases: Optional[dict] = None) -> None:
+                 eps: float) -> None:
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
@@ -33,11 +33,9 @@ class GatedAttention:
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
         self.eps = eps
         self.scale = head_dim ** -0.5
-        self.biases = biases or {}
 
     def tensors(self) -> Iterator[Any]:
         yield from (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.q_norm, self.k_norm)
-        yield from self.biases.values()
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.rotary_dim
@@ -47,10 +45,10 @@ class GatedAttention:
     def __call__(self, x: torch.Tensor, cache: Any, index: int, pos: int) -> torch.Tensor:
         b, t, _ = x.shape
         d = self.head_dim
-        qg = project(x, self.q_proj, self.biases.get("q_proj")).view(b, t, self.heads, 2 * d)
+        qg = project(x, self.q_proj).view(b, t, self.heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(b, t, self.heads * d)
-        k = project(x, self.k_proj, self.biases.get("k_proj")).view(b, t, self.kv_heads, d)
-        v = project(x, self.v_proj, self.biases.get("v_proj")).view(b, t, self.kv_heads, d)
+        k = project(x, self.k_proj).view(b, t, self.kv_heads, d)
+        v = project(x, self.v_proj).view(b, t, self.kv_heads, d)
         q = ops.rms_norm(q.contiguous(), self.q_norm, self.eps)
         k = ops.rms_norm(k, self.k_norm, self.eps)
         positions = torch.arange(pos, pos + t, dtype=torch.float32, device=x.device)
@@ -66,4 +64,4 @@ class GatedAttention:
         else:
             a = ops.attention(q, k_cache, v_cache, pos, self.scale)
         a = a.reshape(b, t, self.heads * d) * torch.sigmoid(gate)
-        return project(a, self.o_proj, self.biases.get("o_proj"))
+        return project(a, self.o_proj)

@@ -176,6 +176,9 @@ def _attach_speculation(lm: LoadedModel, mode: str, draft_model: Optional[Union[
         except (ModelFormatError, OSError) as exc:
             raise ModelFormatError(f"The draft model {Path(draft_model).name} could not be loaded: {exc}") from exc
         lm.draft = draft_lm
+        if draft_lm.model.recurrent:
+            raise ModelFormatError(f"The draft model {Path(draft_model).name} has linear-attention layers, whose "
+                                   "state cannot take back rejected draft tokens; choose a draft model without them.")
     lm.speculation = SpeculationConfig(mode, draft_tokens,
                                        None if draft_lm is None else draft_lm.model,
                                        "" if draft_lm is None else draft_lm.name)
