@@ -328,3 +328,22 @@ def test_lockstep_rows_copy_the_prefilled_state(built, ours, hf) -> None:
             row.close()
     want = _greedy_ref(hf("qwen35"), prompt, 12)
     assert got == [want, want]
+
+
+@pytest.mark.parametrize("name", ["qwen35", "qwen35_moe", "qwen35_vl"])
+def test_hosts_accept_the_folder_and_name_the_architecture(name: str, built) -> None:
+    """United's folder check and load dialog, and the server's model report, with no code of their own."""
+    from kobold_backend.engine.load_options import requested_parameters
+    from kobold_backend.host.backend import check_model_folder
+    from tests.server_helpers import make_app
+
+    path = built(name).path
+    assert check_model_folder(path) is None
+    dialog = {p["id"]: p for p in requested_parameters(path, {}, gpus=[])}
+    assert dialog["valid_layers"]["label"].endswith(f"/{len(SPECS[name].settings['layer_types'])}")
+    app = make_app(path)
+    try:
+        got = app.test_client().get("/api/v1/model").get_json()
+        assert got["architecture"] == SPECS[name].model_class and got["result"] == f"kobold_backend/{name}"
+    finally:
+        app.extensions["kobold_backend"].close()
