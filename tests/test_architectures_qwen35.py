@@ -81,15 +81,21 @@ def test_layers_are_hybrid(name: str, ours) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_match_transformers(name: str, built, ours, hf, record_property) -> None:
-    """150 tokens: three blocks of the chunked delta rule, the last one partial."""
+    """150 tokens: three blocks of the chunked delta rule, the last one partial. The oracle runs in float64: over
+    150 tokens transformers' own float32 run is ~6e-5 from it (ours ~5e-5), so the two float32 runs may differ by
+    about 1e-4 between themselves. The MoE oracle stays float32 (transformers' grouped expert product has no
+    float64)."""
+    import copy
+
     ids = prompt_ids(built(name), 150, seed=1)
     lm = ours(name)
     logits = lm.model.forward(ids, lm.model.new_cache(), last_only=False)
     with torch.no_grad():
-        ref = hf(name)(ids).logits
-    err = (logits - ref).abs().max().item()
+        oracle = hf(name) if name.endswith("moe") else copy.deepcopy(hf(name)).double()
+        ref = oracle(ids).logits
+    err = (logits.double() - ref).abs().max().item()
     record_property("max_abs_err", err)
-    assert err < LOGITS_ATOL and row_rel_err(logits, ref) < 1e-5, f"{name}: max |dlogits| {err:.3e}"
+    assert err < LOGITS_ATOL, f"{name}: max |dlogits| {err:.3e}"
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -259,7 +265,7 @@ def test_quantized_kv_cache_on_the_attention_layers(cache_dtype: str, bound: flo
     plain = load_model(built("qwen35").path, device="cpu", max_seq_len=MAX_SEQ)
     want = plain.model.forward(ids, plain.model.new_cache(), last_only=False)
     cache = lm.model.new_cache()
-    assert isinstance(cache.k[1], QuantizedKV) and cache.states[1] is None and cache.states[0] is not None
+    assert isinstance(cache.k[3], QuantizedKV) and cache.states[3] is None and cache.states[0] is not None
     got = torch.cat([lm.model.forward(ids[:, :30], cache, last_only=False),
                      lm.model.forward(ids[:, 30:], cache, last_only=False)], dim=1)
     assert 1e-6 < row_rel_err(got, want) < bound
@@ -353,3 +359,49 @@ def test_hosts_accept_the_folder_and_name_the_architecture(name: str, built) -> 
         assert got["architecture"] == SPECS[name].model_class and got["result"] == f"kobold_backend/{name}"
     finally:
         app.extensions["kobold_backend"].close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GGUF (llama.cpp's qwen35 layout: tiled value heads, ssm_a = -exp(A_log), +1 norms, a trailing MTP layer).
+
+
+@pytest.fixture(scope="module")
+def qwen35_gguf(built, tmp_path_factory: pytest.TempPathFactory):
+    from tests.fixtures.qwen35_gguf import write_qwen35_gguf
+
+    out = tmp_path_factory.mktemp("qwen35_gguf")
+    oracle = write_qwen35_gguf(built("qwen35").path, out)
+    return out / "model.gguf", hf_load(oracle)
+
+
+def test_gguf_matches_transformers(qwen35_gguf, built, record_property) -> None:
+    from kobold_backend.engine.linear_attention import GatedDeltaNet
+    from kobold_backend.ops.ggml import GGMLWeight
+
+    path, ref = qwen35_gguf
+    lm = load_model(path, device="cpu", max_seq_len=MAX_SEQ)
+    assert lm.config.model_type == "qwen3_5_text" and lm.config.num_layers == 4  # the MTP layer is not read
+    mixers = [layer.mixer for layer in lm.model.layers]
+    assert all(m.tiled and isinstance(m.in_qkv, GGMLWeight) for m in mixers if isinstance(m, GatedDeltaNet))
+    ids = prompt_ids(built("qwen35"), 100, seed=17)
+    with torch.no_grad():
+        want = ref(ids).logits
+    err = (lm.model.forward(ids, lm.model.new_cache(), last_only=False) - want).abs().max().item()
+    record_property("max_abs_err", err)
+    assert err < LOGITS_ATOL
+    prompt = ids[0, :20].tolist()
+    out = Generator(lm.model, lm.tokenizer).generate(_greedy(prompt, 24))
+    assert out.token_ids == _greedy_ref(ref, prompt, 24)
+
+
+def test_gguf_value_head_order_matters(qwen35_gguf, built) -> None:
+    """Read as if grouped (Hugging Face's order), the tiled file gives other logits: the test above tests it."""
+    path, ref = qwen35_gguf
+    lm = load_model(path, device="cpu", max_seq_len=MAX_SEQ)
+    for layer in lm.model.layers:
+        if hasattr(layer.mixer, "tiled"):
+            layer.mixer.tiled = False
+    ids = prompt_ids(built("qwen35"), 40, seed=18)
+    with torch.no_grad():
+        want = ref(ids).logits
+    assert row_rel_err(lm.model.forward(ids, lm.model.new_cache(), last_only=False), want) > 1e-2

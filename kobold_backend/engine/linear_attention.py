@@ -6,7 +6,9 @@ scaled by key_dim ** -0.5; beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_
 
     S <- exp(g) * S;   u = beta * (v - S^T k);   S <- S + k u^T;   o = S^T q
 
-and the output is RMSNorm(o) * weight * silu(z), projected by out_proj. A prompt chunk runs the same recurrence in
+and the output is RMSNorm(o) * weight * silu(z), projected by out_proj. Each key head serves value_heads / key_heads
+value heads: consecutive ones as Hugging Face stores them, or every key_heads-th one ("tiled", as llama.cpp's
+converter reorders them for ggml's broadcast). A prompt chunk runs the same recurrence in
 blocks of CHUNK tokens (the intra-block part solved as one unit-lower-triangular system), a decode step token by
 token. The state cannot be cut back to an earlier position; engine/cache.py keeps snapshots for that.
 """
@@ -105,7 +107,7 @@ class GatedDeltaNet:
 
     def __init__(self, in_qkv: Weight, in_z: Weight, in_b: Weight, in_a: Weight, conv: torch.Tensor,
                  dt_bias: torch.Tensor, a_log: torch.Tensor, norm: torch.Tensor, out: Weight, key_heads: int,
-                 value_heads: int, key_dim: int, value_dim: int, eps: float) -> None:
+                 value_heads: int, key_dim: int, value_dim: int, eps: float, tiled: bool = False) -> None:
         self.in_qkv, self.in_z, self.in_b, self.in_a, self.out = in_qkv, in_z, in_b, in_a, out
         self.conv = conv  # [channels, kernel]
         self.dt_bias = dt_bias.float()
@@ -114,6 +116,7 @@ class GatedDeltaNet:
         self.key_heads, self.value_heads = key_heads, value_heads
         self.key_dim, self.value_dim = key_dim, value_dim
         self.eps = eps
+        self.tiled = tiled
 
     def new_state(self, batch: int) -> LinearState:
         channels, kernel = self.conv.shape
@@ -132,9 +135,8 @@ class GatedDeltaNet:
         qkv = self._conv(project(x, self.in_qkv), state)
         kd, vd = self.key_heads * self.key_dim, self.value_heads * self.value_dim
         q, k, v = qkv.float().split([kd, kd, vd], dim=-1)
-        rep = self.value_heads // self.key_heads
-        q = l2norm(q.view(b, t, self.key_heads, self.key_dim)).repeat_interleave(rep, dim=2)
-        k = l2norm(k.view(b, t, self.key_heads, self.key_dim)).repeat_interleave(rep, dim=2)
+        q = self._per_value_head(l2norm(q.view(b, t, self.key_heads, self.key_dim)))
+        k = self._per_value_head(l2norm(k.view(b, t, self.key_heads, self.key_dim)))
         v = v.view(b, t, self.value_heads, self.value_dim)
         beta = torch.sigmoid(project(x, self.in_b).float())
         g = self.neg_a * F.softplus(project(x, self.in_a).float() + self.dt_bias)
@@ -145,6 +147,11 @@ class GatedDeltaNet:
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
         o = (self.norm * o.to(x.dtype)) * F.silu(z.float())
         return project(o.to(x.dtype).reshape(b, t, vd), self.out)
+
+    def _per_value_head(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, key_heads, D] -> [B, T, value_heads, D]: each value head's key head."""
+        rep = self.value_heads // self.key_heads
+        return x.repeat(1, 1, rep, 1) if self.tiled else x.repeat_interleave(rep, dim=2)
 
     def _conv(self, qkv: torch.Tensor, state: LinearState) -> torch.Tensor:
         """The causal depthwise conv1d (then SiLU) over [B, T, C], continuing from and updating the conv state."""

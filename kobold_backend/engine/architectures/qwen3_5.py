@@ -151,7 +151,8 @@ class Qwen3_5(Architecture):
                              loader.dense("linear_attn.dt_bias", (s.value_heads,)),
                              loader.dense("linear_attn.A_log", (s.value_heads,)),
                              loader.dense("linear_attn.norm.weight", (s.value_dim,)), lin["out_proj"],
-                             s.key_heads, s.value_heads, s.key_dim, s.value_dim, eps)
+                             s.key_heads, s.value_heads, s.key_dim, s.value_dim, eps,
+                             raw.get("linear_value_head_order") == "tiled")
 
 
 class Qwen3_5Moe(Qwen3_5):

@@ -39,7 +39,12 @@ ARCHITECTURES: Dict[str, GGUFArchitecture] = {
     "gemma2": GGUFArchitecture("gemma2", "Gemma2ForCausalLM", permuted_qk=False, norm_shift=-1.0),
     "gemma3": GGUFArchitecture("gemma3_text", "Gemma3ForCausalLM", permuted_qk=False, norm_shift=-1.0),
     "phi3": GGUFArchitecture("phi3", "Phi3ForCausalLM", permuted_qk=False),
+    # the converter stores the zero-centred norms as 1 + weight (not linear attention's gated norm, see weights.py)
+    "qwen35": GGUFArchitecture("qwen3_5_text", "Qwen3_5ForCausalLM", permuted_qk=False, norm_shift=-1.0),
+    "qwen35moe": GGUFArchitecture("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", permuted_qk=False, norm_shift=-1.0),
 }
+#: families whose RoPE turns only part of each head (rope.dimension_count < head size)
+_PARTIAL_ROPE = ("qwen3_5_text", "qwen3_5_moe_text")
 MIXTRAL = GGUFArchitecture("mixtral", "MixtralForCausalLM", permuted_qk=True)
 # Layer counts of the Gemma 27B models, whose q·k scale llama.cpp takes from hidden / heads.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -71,7 +76,7 @@ def hf_config(meta: Dict[str, Any], tensor_names: List[str], where: str,
 
     hidden = int(key("embedding_length", required=True))
     ffn = key("feed_forward_length")
-    if ffn is None and desc.model_type == "qwen3_moe":  # every layer routed: the expert size stands in
+    if ffn is None and desc.model_type in ("qwen3_moe", "qwen3_5_moe_text"):  # all routed: the expert size
         ffn = key("expert_feed_forward_length")
     if ffn is None:
         raise ModelFormatError(f"{where}: GGUF metadata lacks {arch}.feed_forward_length.")
@@ -81,7 +86,7 @@ def hf_config(meta: Dict[str, Any], tensor_names: List[str], where: str,
         raise ModelFormatError(f"{where}: per-layer KV head counts are not supported.")
     head_dim = int(key("attention.key_length", hidden // heads))
     rope_dim = int(key("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and desc.model_type not in _PARTIAL_ROPE:
         raise ModelFormatError(
             f"{where}: partial rotary embeddings (rope.dimension_count {rope_dim} of head size {head_dim}) "
             "are not supported."
@@ -92,7 +97,8 @@ def hf_config(meta: Dict[str, Any], tensor_names: List[str], where: str,
         "architectures": [desc.hf_architecture],
         "hidden_size": hidden,
         "intermediate_size": int(ffn),
-        "num_hidden_layers": int(key("block_count", required=True)),
+        # without the multi-token-prediction layers a converter may append (Qwen3.5): inference does not run them
+        "num_hidden_layers": int(key("block_count", required=True)) - int(key("nextn_predict_layers") or 0),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
         "head_dim": head_dim,
@@ -197,8 +203,25 @@ def _experts(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
     config["decoder_sparse_step"] = 1
 
 
+def _qwen35(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
+    """Qwen3.5's linear-attention sizes (llama.cpp's ssm.* keys), its layer pattern and partial RoPE; the value
+    heads are stored tiled (see engine/architectures/qwen3_5.py); the MoE's expert and shared-expert sizes."""
+    groups, heads = int(key("ssm.group_count")), int(key("ssm.time_step_rank"))
+    config.update(linear_conv_kernel_dim=int(key("ssm.conv_kernel")), linear_key_head_dim=int(key("ssm.state_size")),
+                  linear_num_key_heads=groups, linear_num_value_heads=heads,
+                  linear_value_head_dim=int(key("ssm.inner_size")) // heads,
+                  full_attention_interval=int(key("full_attention_interval", 4)),
+                  partial_rotary_factor=int(key("rope.dimension_count")) / config["head_dim"],
+                  linear_value_head_order="tiled")
+    if arch == "qwen35moe":
+        config.update(num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
+                      moe_intermediate_size=int(key("expert_feed_forward_length")),
+                      shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length")))
+
+
 _FAMILY: Dict[str, Callable[..., None]] = {
     "gemma2": _gemma, "gemma3_text": _gemma, "phi3": _phi3, "mixtral": _experts, "qwen3_moe": _experts,
+    "qwen3_5_text": _qwen35, "qwen3_5_moe_text": _qwen35,
 }
 
 

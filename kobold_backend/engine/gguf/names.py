@@ -49,13 +49,32 @@ _BLOCKS: Dict[str, Dict[str, str]] = {
     "mixtral": {"ffn_norm": "post_attention_layernorm"},
     "gemma2": _GEMMA, "gemma3_text": _GEMMA, "phi3": _PHI3,
 }
+# Qwen3.5: linear attention's projections, conv and gated norm; the norm after attention is `post_attention_norm`
+_QWEN35: Dict[str, str] = {
+    "post_attention_norm": "post_attention_layernorm", "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z", "ssm_alpha": "linear_attn.in_proj_a", "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
+}
+_BLOCKS.update({
+    "qwen3_5_text": dict(_QWEN35, ffn_gate="mlp.gate_proj", ffn_up="mlp.up_proj", ffn_down="mlp.down_proj"),
+    "qwen3_5_moe_text": dict(_QWEN35, ffn_gate_inp_shexp="mlp.shared_expert_gate",
+                             ffn_gate_shexp="mlp.shared_expert.gate_proj", ffn_up_shexp="mlp.shared_expert.up_proj",
+                             ffn_down_shexp="mlp.shared_expert.down_proj"),
+})
+# tensors stored without a .weight suffix on one side: Hugging Face stem -> GGUF tensor (decay A and its time-step
+# bias; the converter stores -exp(A_log) as ssm_a, weights.py takes the log back)
+_BARE: Dict[str, str] = {"linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias"}
+_BARE_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text")
 _EXPERTS: Dict[str, Tuple[str, Tuple[str, str, str]]] = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_5_moe_text": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 _EXPERT_ROLES = ("ffn_gate", "ffn_up", "ffn_down")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _BLK = re.compile(r"blk\.(\d+)\.([a-z_]+)(?:\.(\d+))?\.(weight|bias)$")
+_BARE_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
+_BLK_BARE = re.compile(r"blk\.(\d+)\.(.+)$")
 
 
 class TensorNames:
@@ -69,10 +88,15 @@ class TensorNames:
         self._block = block
         self._hf_block = {hf: gg for gg, hf in block.items()}
         self._hf_global = {hf: gg for gg, hf in _GLOBAL.items()}
+        self._bare = _BARE if model_type in _BARE_FAMILIES else {}
+        self._gguf_bare = {gg: hf for hf, gg in self._bare.items()}
 
     def gguf(self, hf_name: str, present: Iterable[str] = ()) -> Optional[Tuple[str, Optional[int]]]:
         """(GGUF tensor, expert index or None) holding a Hugging Face tensor, or None when GGUF has no such tensor.
         An expert resolves to the stacked `*_exps` tensor unless `present` holds the per-expert one instead."""
+        bare = _BARE_LAYER.match(hf_name)
+        if bare is not None and bare.group(2) in self._bare:
+            return f"blk.{bare.group(1)}.{self._bare[bare.group(2)]}", None
         m = _LAYER.match(hf_name)
         if m is None:
             stem, _, suffix = hf_name.rpartition(".")
@@ -95,6 +119,9 @@ class TensorNames:
         if gguf_tensor.count(".") == 1:
             stem, _, suffix = gguf_tensor.partition(".")
             return [f"{_GLOBAL[stem]}.{suffix}"] if stem in _GLOBAL else []
+        bare = _BLK_BARE.match(gguf_tensor)
+        if bare is not None and bare.group(2) in self._gguf_bare:
+            return [f"model.layers.{bare.group(1)}.{self._gguf_bare[bare.group(2)]}"]
         m = _BLK.match(gguf_tensor)
         if m is None:
             return []
