@@ -366,24 +366,29 @@ def test_hosts_accept_the_folder_and_name_the_architecture(name: str, built) -> 
 
 
 @pytest.fixture(scope="module")
-def qwen35_gguf(built, tmp_path_factory: pytest.TempPathFactory):
+def gguf_files(built, tmp_path_factory: pytest.TempPathFactory):
     from tests.fixtures.qwen35_gguf import write_qwen35_gguf
 
-    out = tmp_path_factory.mktemp("qwen35_gguf")
-    oracle = write_qwen35_gguf(built("qwen35").path, out)
-    return out / "model.gguf", hf_load(oracle)
+    def write(name: str):
+        out = tmp_path_factory.mktemp(f"{name}_gguf")
+        oracle = write_qwen35_gguf(built(name).path, out)
+        return out / "model.gguf", hf_load(oracle)
+
+    return by_name(write)
 
 
-def test_gguf_matches_transformers(qwen35_gguf, built, record_property) -> None:
+@pytest.mark.parametrize("name, model_type", [("qwen35", "qwen3_5_text"), ("qwen35_moe", "qwen3_5_moe_text")])
+def test_gguf_matches_transformers(name: str, model_type: str, gguf_files, built, record_property) -> None:
     from kobold_backend.engine.linear_attention import GatedDeltaNet
     from kobold_backend.ops.ggml import GGMLWeight
 
-    path, ref = qwen35_gguf
+    path, ref = gguf_files(name)
     lm = load_model(path, device="cpu", max_seq_len=MAX_SEQ)
-    assert lm.config.model_type == "qwen3_5_text" and lm.config.num_layers == 4  # the MTP layer is not read
+    layers = SPECS[name].settings["num_hidden_layers"]
+    assert lm.config.model_type == model_type and lm.config.num_layers == layers  # the MTP layer is not read
     mixers = [layer.mixer for layer in lm.model.layers]
     assert all(m.tiled and isinstance(m.in_qkv, GGMLWeight) for m in mixers if isinstance(m, GatedDeltaNet))
-    ids = prompt_ids(built("qwen35"), 100, seed=17)
+    ids = prompt_ids(built(name), 100, seed=17)
     with torch.no_grad():
         want = ref(ids).logits
     err = (lm.model.forward(ids, lm.model.new_cache(), last_only=False) - want).abs().max().item()
@@ -394,9 +399,9 @@ def test_gguf_matches_transformers(qwen35_gguf, built, record_property) -> None:
     assert out.token_ids == _greedy_ref(ref, prompt, 24)
 
 
-def test_gguf_value_head_order_matters(qwen35_gguf, built) -> None:
+def test_gguf_value_head_order_matters(gguf_files, built) -> None:
     """Read as if grouped (Hugging Face's order), the tiled file gives other logits: the test above tests it."""
-    path, ref = qwen35_gguf
+    path, ref = gguf_files("qwen35")
     lm = load_model(path, device="cpu", max_seq_len=MAX_SEQ)
     for layer in lm.model.layers:
         if hasattr(layer.mixer, "tiled"):
