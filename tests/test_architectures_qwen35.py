@@ -410,3 +410,35 @@ def test_gguf_value_head_order_matters(gguf_files, built) -> None:
     with torch.no_grad():
         want = ref(ids).logits
     assert row_rel_err(lm.model.forward(ids, lm.model.new_cache(), last_only=False), want) > 1e-2
+
+
+def test_united_accepts_the_gguf(gguf_files) -> None:
+    from kobold_backend.host.backend import check_model_folder
+
+    assert check_model_folder(gguf_files("qwen35")[0]) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen35", "qwen35_moe"])
+def test_gpu_gguf_matches_transformers(name: str, gguf_files, built) -> None:
+    """The GGUF files on CUDA in float16 (Q8_0 linears through the GGML kernels), teacher-forced."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    path, ref_model = gguf_files(name)
+    lm = load_model(path, device="cuda", dtype="float16", max_seq_len=MAX_SEQ)
+    prompt = prompt_ids(built(name), 60, seed=19)
+    cache = lm.model.new_cache()
+    got = lm.model.forward(prompt.cuda(), cache)
+    ref, past = hf_step(ref_model, prompt, None)
+    errs = [row_rel_err(got.float().cpu(), ref[:, -1:])]
+    for _ in range(16):
+        token = ref[:, -1:].argmax(-1)
+        step = lm.model.forward(token.cuda(), cache)[0, -1]
+        ref, past = hf_step(ref_model, token, past)
+        errs.append(row_rel_err(step.float().cpu(), ref[0, -1]))
+    lm.unload()
+    ordered = sorted(errs)
+    if name.endswith("moe"):  # router top-k flips under fp16 rounding, as in test_gpu_matches_transformers
+        assert ordered[len(ordered) // 2] < 2e-2 and ordered[int(0.8 * len(ordered)) - 1] < 2e-2, ordered[-3:]
+    else:
+        assert ordered[-1] < 2e-2, ordered[-3:]
