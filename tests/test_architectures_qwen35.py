@@ -166,13 +166,16 @@ def test_planned_shapes_are_the_checkpoints(name: str, built) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_split_planner_counts_states_not_kv_on_linear_layers(name: str, built, ours) -> None:
     """The planner's cache bytes are the allocated cache's: K/V for the attention layers, a fixed state for the
-    linear ones; its weight bytes are the loaded model's."""
+    linear ones, with room for the snapshots of those states; its weight bytes are the loaded model's."""
+    from kobold_backend.engine.cache import MAX_SNAPSHOTS
     from kobold_backend.engine.device_map import plan_device_map
 
     lm = ours(name)
     dm = plan_device_map(built(name).path, None, MAX_SEQ, layer_counts={"cpu": lm.config.num_layers})
     (usage,) = dm.usage
-    assert usage.cache_bytes == lm.model.new_cache().nbytes
+    cache = lm.model.new_cache()
+    states = sum(s.nbytes for s in cache.states if s is not None)
+    assert states and usage.cache_bytes == cache.nbytes + MAX_SNAPSHOTS * states
     assert usage.weight_bytes == lm.model.nbytes
 
 

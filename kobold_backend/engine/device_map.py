@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from kobold_backend.engine.cache import cache_bytes_per_token
+from kobold_backend.engine.cache import MAX_SNAPSHOTS, cache_bytes_per_token
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.loader import DEFAULT_MAX_SEQ_LEN, resolve_dtype
 from kobold_backend.engine.weights import WeightReader
@@ -152,11 +152,11 @@ class Sizes:
 
     def cache(self, elem: int, index: Optional[int] = None) -> int:
         """K and V of one layer for max_seq_len positions, in the layer's dtype (`elem` bytes) or quantized; for
-        layer `index` with a fixed-size state instead (linear attention), that state."""
+        layer `index` with a fixed-size state instead (linear attention), that state and its snapshots."""
         c = self.config
         state = None if index is None else c.description.state_bytes(c, index, elem)
         if state is not None:
-            return self.batch_size * state
+            return self.batch_size * state * (1 + MAX_SNAPSHOTS)
         per_token = cache_bytes_per_token(self.cache_dtype, c.num_kv_heads, c.head_dim, elem)
         return self.batch_size * self.max_seq_len * per_token
 

@@ -12,7 +12,7 @@ import torch
 
 from kobold_backend.engine.architectures import RopeSpec
 from kobold_backend.engine.awq import load_awq_linear
-from kobold_backend.engine.cache import cache_bytes_per_token, cache_schemes, check_cache_dtype
+from kobold_backend.engine.cache import MAX_SNAPSHOTS, cache_bytes_per_token, cache_schemes, check_cache_dtype
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.drafters import check_draft_tokenizer
 from kobold_backend.engine.exl2 import is_exl2_linear, load_exl2_linear, with_exl2_detected
@@ -236,9 +236,10 @@ def check_cache_memory(config: ModelConfig, per_layer: Sequence[torch.device], d
     need: Dict[torch.device, int] = {}
     for index, dev in enumerate(per_layer):
         size = torch.tensor([], dtype=_dtype_for(dev, dtype)).element_size()
-        state = config.description.state_bytes(config, index, size)
-        need[dev] = need.get(dev, 0) + (state if state is not None else seq_len * cache_bytes_per_token(
-            cache_dtype, config.num_kv_heads, config.head_dim, size))
+        state = config.description.state_bytes(config, index, size)  # a linear layer's state and its snapshots
+        need[dev] = need.get(dev, 0) + (state * (1 + MAX_SNAPSHOTS) if state is not None else
+                                        seq_len * cache_bytes_per_token(cache_dtype, config.num_kv_heads,
+                                                                        config.head_dim, size))
     for dev, nbytes in need.items():
         free = _available_bytes(dev)
         if free is not None and nbytes > free:
