@@ -65,12 +65,11 @@ def test_layers_are_hybrid(name: str, ours) -> None:
     from kobold_backend.engine.linear_attention import GatedDeltaNet
 
     model = ours(name).model
-    kinds = [type(layer.mixer) for layer in model.layers]
-    assert GatedDeltaNet in kinds and GatedAttention in kinds
+    mixers = [layer.mixer for layer in model.layers]
+    assert any(isinstance(m, GatedDeltaNet) for m in mixers) and any(isinstance(m, GatedAttention) for m in mixers)
     if name.endswith("gptq"):
         from kobold_backend.ops.gptq_weight import GPTQWeight
 
-        mixers = [layer.mixer for layer in model.layers]
         assert all(isinstance(m.in_qkv, GPTQWeight) for m in mixers if isinstance(m, GatedDeltaNet))
         assert all(isinstance(m.q_proj, GPTQWeight) for m in mixers if isinstance(m, GatedAttention))
     cache = model.new_cache()
@@ -91,7 +90,7 @@ def test_logits_match_transformers(name: str, built, ours, hf, record_property) 
     lm = ours(name)
     logits = lm.model.forward(ids, lm.model.new_cache(), last_only=False)
     with torch.no_grad():
-        oracle = hf(name) if name.endswith("moe") else copy.deepcopy(hf(name)).double()
+        oracle = hf(name) if SPECS[name].settings.get("num_experts") else copy.deepcopy(hf(name)).double()
         ref = oracle(ids).logits
     err = (logits.double() - ref).abs().max().item()
     record_property("max_abs_err", err)
@@ -299,7 +298,7 @@ def test_gpu_matches_transformers(name: str, dtype: str, bound: float, built, hf
     out = Generator(lm.model, lm.tokenizer).generate(_greedy(prompt[0].tolist(), 16))
     lm.unload()
     ordered = sorted(errs)
-    if name.endswith("moe") and dtype == "float16":
+    if SPECS[name].settings.get("num_experts") and dtype == "float16":
         # a router's top-k may flip where two experts' logits are closer than fp16 rounding (as for Qwen3-MoE in
         # tests/test_architectures_moe_gemma.py): the bound holds for the median and 80% of the steps
         assert ordered[len(ordered) // 2] < bound and ordered[int(0.8 * len(ordered)) - 1] < bound, ordered[-3:]

@@ -16,7 +16,7 @@ token. The state cannot be cut back to an earlier position; engine/cache.py keep
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -129,21 +129,27 @@ class GatedDeltaNet:
         yield from (self.in_qkv, self.in_z, self.in_b, self.in_a, self.out, self.conv, self.dt_bias, self.neg_a,
                     self.norm)
 
+    def _inputs(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q|k|v [B, T, channels] in the conv's channel order, z [B, T, value_heads * value_dim], the beta and
+        decay projections b, a [B, T, value_heads])."""
+        return project(x, self.in_qkv), project(x, self.in_z), project(x, self.in_b), project(x, self.in_a)
+
     def __call__(self, x: torch.Tensor, cache: Any, index: int, pos: int) -> torch.Tensor:
         state: LinearState = cache.states[index]
         b, t, _ = x.shape
-        qkv = self._conv(project(x, self.in_qkv), state)
+        mixed, z, in_b, in_a = self._inputs(x)
+        qkv = self._conv(mixed, state)
         kd, vd = self.key_heads * self.key_dim, self.value_heads * self.value_dim
         q, k, v = qkv.float().split([kd, kd, vd], dim=-1)
         q = self._per_value_head(l2norm(q.view(b, t, self.key_heads, self.key_dim)))
         k = self._per_value_head(l2norm(k.view(b, t, self.key_heads, self.key_dim)))
         v = v.view(b, t, self.value_heads, self.value_dim)
-        beta = torch.sigmoid(project(x, self.in_b).float())
-        g = self.neg_a * F.softplus(project(x, self.in_a).float() + self.dt_bias)
+        beta = torch.sigmoid(in_b.float())
+        g = self.neg_a * F.softplus(in_a.float() + self.dt_bias)
         q, k, v = (y.transpose(1, 2) for y in (q * self.key_dim ** -0.5, k, v))
         rule = delta_rule_steps if t == 1 else delta_rule_chunked
         o = rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), state.recurrent).transpose(1, 2)
-        z = project(x, self.in_z).view(b, t, self.value_heads, self.value_dim)
+        z = z.view(b, t, self.value_heads, self.value_dim)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
         o = (self.norm * o.to(x.dtype)) * F.silu(z.float())
         return project(o.to(x.dtype).reshape(b, t, vd), self.out)
@@ -160,3 +166,23 @@ class GatedDeltaNet:
         y = F.conv1d(window, self.conv.unsqueeze(1), groups=self.conv.shape[0])
         return F.silu(y).transpose(1, 2)
 
+
+
+class FusedGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next's layout of the same mixer: `in_qkvz` holds, per key head, its q, k, the v of its value heads and
+    their z; `in_ba` per key head the b then the a of its value heads (unfused here, per token, for any weight
+    format). `in_qkv` is the fused qkvz weight and `in_z` / `in_a` are unused (None); `in_b` is the fused ba."""
+
+    def _inputs(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+        rep = self.value_heads // self.key_heads
+        dk, vd = self.key_dim, rep * self.value_dim
+        qkvz = project(x, self.in_qkv).view(b, t, self.key_heads, 2 * dk + 2 * vd)
+        q, k, v, z = qkvz.split([dk, dk, vd, vd], dim=-1)
+        ba = project(x, self.in_b).view(b, t, self.key_heads, 2 * rep)
+        flat = [y.reshape(b, t, -1) for y in (q, k, v)]
+        return torch.cat(flat, dim=-1), z.reshape(b, t, -1), ba[..., :rep].reshape(b, t, -1), \
+            ba[..., rep:].reshape(b, t, -1)
+
+    def tensors(self) -> Iterator[Any]:
+        yield from (self.in_qkv, self.in_b, self.out, self.conv, self.dt_bias, self.neg_a, self.norm)

@@ -167,8 +167,18 @@ class Qwen3_5Moe(Qwen3_5):
         _positive(raw, "shared_expert_intermediate_size", where)
         return super().features(raw, config, where)
 
+    def routed(self, raw: Dict[str, Any], index: int) -> bool:
+        """Whether layer `index` has routed experts (every layer of Qwen3.5-MoE) or the dense MLP."""
+        return True
+
+    def renormalize(self, raw: Dict[str, Any]) -> bool:
+        """Whether the top-k routing weights are renormalised to sum 1 (always for Qwen3.5-MoE)."""
+        return True
+
     def layout(self, config: ConfigData, index: int) -> LayerLayout:
         layout = super().layout(config, index)
+        if not self.routed(config.raw, index):
+            return layout
         raw, h = config.raw, config.hidden_size
         inter, shared = raw["moe_intermediate_size"], raw["shared_expert_intermediate_size"]
         mlp = dict(layout.mlp_linears)
@@ -182,6 +192,8 @@ class Qwen3_5Moe(Qwen3_5):
         return LayerLayout({}, layout.norms, (), mlp, layout.tensors)
 
     def build_mlp(self, loader: Any, config: ConfigData, index: int) -> Any:
+        if not self.routed(config.raw, index):
+            return None
         from kobold_backend.engine.model import ACTIVATIONS
         from kobold_backend.engine.moe import RoutedExperts, stack_expert_mlps
         from kobold_backend.engine.shared_expert import WithSharedExpert
@@ -197,9 +209,50 @@ class Qwen3_5Moe(Qwen3_5):
                                               [load(f"{e}.up") for e in experts],
                                               [load(f"{e}.down") for e in experts])
         act = ACTIVATIONS[config.features.activation]
-        routed = RoutedExperts(load("router"), gate_up, up, down, config.raw["num_experts_per_tok"], True, act)
+        routed = RoutedExperts(load("router"), gate_up, up, down, config.raw["num_experts_per_tok"],
+                               self.renormalize(config.raw), act)
         return WithSharedExpert(routed, load("shared.gate"), load("shared.up"), load("shared.down"),
                                 load("shared_gate"), act)
+
+
+class Qwen3Next(Qwen3_5Moe):
+    """Qwen3-Next: Qwen3.5-MoE's stack with linear attention's projections fused per key head (`in_proj_qkvz`,
+    `in_proj_ba`, see engine/linear_attention.py FusedGatedDeltaNet), routed layers as Qwen3-MoE chooses them
+    (`mlp_only_layers`, `decoder_sparse_step`; dense MLP of `intermediate_size` elsewhere) and `norm_topk_prob`."""
+
+    model_types = ("qwen3_next",)
+    class_names = ("Qwen3NextForCausalLM",)
+
+    def routed(self, raw: Dict[str, Any], index: int) -> bool:
+        step = int(raw.get("decoder_sparse_step") or 1)
+        return index not in (raw.get("mlp_only_layers") or []) and (index + 1) % step == 0
+
+    def renormalize(self, raw: Dict[str, Any]) -> bool:
+        return bool(raw.get("norm_topk_prob", True))
+
+    def mixer_linears(self, config: ConfigData, index: int) -> Dict[str, Linear]:
+        if layer_kinds(config.raw, config.num_layers, config.model_type)[index] == "full_attention":
+            return super().mixer_linears(config, index)
+        h, s = config.hidden_size, self.linear_spec(config.raw, config.model_type)
+        vd = s.value_heads * s.value_dim
+        return {"in_proj_qkvz": Linear("linear_attn.in_proj_qkvz", h, s.channels + vd),
+                "in_proj_ba": Linear("linear_attn.in_proj_ba", h, 2 * s.value_heads, quantized=False),
+                "out_proj": Linear("linear_attn.out_proj", vd, h)}
+
+    def build_mixer(self, loader: Any, config: ConfigData, index: int) -> Any:
+        if layer_kinds(config.raw, config.num_layers, config.model_type)[index] == "full_attention":
+            return super().build_mixer(loader, config, index)
+        from kobold_backend.engine.linear_attention import FusedGatedDeltaNet
+
+        lin = {k: loader.linear(v.prefix, v.in_features, v.out_features)
+               for k, v in self.mixer_linears(config, index).items()}
+        s = self.linear_spec(config.raw, config.model_type)
+        conv = loader.dense("linear_attn.conv1d.weight", (s.channels, 1, s.kernel)).squeeze(1).contiguous()
+        return FusedGatedDeltaNet(lin["in_proj_qkvz"], None, lin["in_proj_ba"], None, conv,
+                                  loader.dense("linear_attn.dt_bias", (s.value_heads,)),
+                                  loader.dense("linear_attn.A_log", (s.value_heads,)),
+                                  loader.dense("linear_attn.norm.weight", (s.value_dim,)), lin["out_proj"],
+                                  s.key_heads, s.value_heads, s.key_dim, s.value_dim, config.rms_norm_eps)
 
 
 _TEXT_PREFIX = "model.language_model."
@@ -238,3 +291,4 @@ register(Qwen3_5())
 register(Qwen3_5Moe())
 register(Qwen3_5Multimodal())
 register(Qwen3_5MoeMultimodal())
+register(Qwen3Next())
