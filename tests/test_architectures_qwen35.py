@@ -444,3 +444,14 @@ def test_gpu_gguf_matches_transformers(name: str, gguf_files, built) -> None:
         assert ordered[len(ordered) // 2] < 2e-2 and ordered[int(0.8 * len(ordered)) - 1] < 2e-2, ordered[-3:]
     else:
         assert ordered[-1] < 2e-2, ordered[-3:]
+
+
+def test_engine_bench_runs_without_graphs(built) -> None:
+    """`kobold-backend bench` truncates its cache back between runs: on a linear-attention model it returns to the
+    snapshots it took, eager (no graphs), and the chat-turn figure reuses the cached context."""
+    from kobold_backend.bench.engine_bench import bench_engine
+
+    result = bench_engine(str(built("qwen35").path), device="cpu", prompt_lengths=(32,), contexts=(16, 40),
+                          decode_steps=4, chat_context=60, chat_new=8, max_seq_len=128)
+    assert result["graphs"] is False and set(result["decode_tokens_per_s"]) == {"16", "40"}
+    assert result["chat_turn"]["cached_tokens"] == 60
