@@ -196,6 +196,31 @@ def test_truncate_restores_a_snapshot_and_refuses_other_lengths(built, ours) -> 
     assert row_rel_err(lm.model.forward(ids[:, 25:], cache, last_only=False), fresh) < 1e-5
 
 
+def test_a_forward_that_fails_part_way_drops_the_states(built, ours, hf) -> None:
+    """A forward interrupted inside the stack (here: a layer raising) leaves no state that ran ahead of the
+    cache's tokens: the next request starts from the empty state and matches transformers."""
+    lm = ours("qwen35")
+    gen = Generator(lm.model, lm.tokenizer)
+    prompt = prompt_ids(built("qwen35"), 20, seed=20)[0].tolist()
+    gen.generate(_greedy(prompt, 4))
+    mlp_block = lm.model._mlp_block
+
+    def fail(index, *args):
+        if index == 2:
+            raise RuntimeError("interrupted")
+        return mlp_block(index, *args)
+
+    lm.model._mlp_block = fail
+    try:
+        with pytest.raises(RuntimeError, match="interrupted"):
+            gen.generate(_greedy(prompt + [5, 6, 7], 4))
+    finally:
+        del lm.model._mlp_block
+    assert gen.cache.seq_len == 0
+    out = gen.generate(_greedy(prompt + [5, 6, 7], 8))
+    assert out.reused_tokens == 0 and out.token_ids == _greedy_ref(hf("qwen35"), prompt + [5, 6, 7], 8)
+
+
 def test_banned_phrase_rewind_recomputes_from_a_snapshot(built, ours) -> None:
     """A rewind inside the reply (no snapshot there) re-runs from the prompt's snapshot: the output is what the
     same request gives on a fresh cache."""

@@ -137,7 +137,7 @@ class KVCache:
         states n must be `restorable`: the current length, a snapshot's or 0."""
         if not 0 <= n <= self.seq_len:
             raise ValueError(f"cannot truncate a cache of {self.seq_len} positions to {n}")
-        if self.recurrent and n != self.seq_len:
+        if self.recurrent and (n != self.seq_len or n == 0):
             self._restore(n)
         self.seq_len = n
         del self.tokens[n:]
@@ -155,6 +155,14 @@ class KVCache:
             for state, copy in zip(live, saved[0]):
                 state.copy_(copy)
         self.snapshots = [(p, snap) for p, snap in self.snapshots if p <= n]
+
+    def drop_states(self) -> None:
+        """Forget everything after a forward that stopped part-way: its recurrent states hold positions the cache
+        does not list (K/V written past seq_len are harmless, a state that ran ahead is not)."""
+        self.seq_len = 0
+        self.tokens.clear()
+        self.snapshots.clear()
+        self._restore(0)
 
     def rewind(self, n: int) -> None:
         self.truncate(self.seq_len - n)

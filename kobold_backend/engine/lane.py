@@ -89,7 +89,12 @@ class Lane:
         for start in range(0, len(ids), PREFILL_CHUNK):
             chunk = list(ids[start : start + PREFILL_CHUNK])
             x = torch.tensor([chunk], dtype=torch.long, device=self.model.embed_tokens.device)
-            logits = self.model.forward(x, self.cache, passthrough=passthrough)
+            try:
+                logits = self.model.forward(x, self.cache, passthrough=passthrough)
+            except BaseException:
+                if self.cache.recurrent:
+                    self.cache.drop_states()
+                raise
             self.cache.tokens.extend(chunk)
         assert logits is not None
         return logits[0, -1]
