@@ -2,6 +2,11 @@
 
 K and V are kept in the layer's dtype ('fp16', the default) or quantized to 8 or 4 bits (ops/kv_quant.py: groups
 of 32 values per position and head, Hadamard-rotated, one fp16 scale each); keys and values may differ.
+
+Layers with a recurrent token mixer (engine/linear_attention.py) keep a fixed-size state instead of K/V (their K/V
+buffers hold no positions). Such a state holds the whole prefix and cannot be cut back to an earlier length, so the
+cache keeps a few snapshots of every state (`snapshot()`, taken by the lane after a prompt's next-to-last token):
+`restorable(n)` is the longest length <= n the cache can return to, and `truncate` goes only there.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ CACHE_DTYPES: Dict[str, Tuple[str, str]] = {
     "q4": ("q4", "q4"),
     "k8v4": ("q8", "q4"),
 }
+#: recurrent-state snapshots a cache keeps (each as large as all the states: ~100 MB for a 27B Qwen3.5)
+MAX_SNAPSHOTS = 2
 
 
 def cache_schemes(cache_dtype: str) -> Tuple[str, str]:
@@ -76,6 +83,8 @@ class KVCache:
         devices: Sequence[torch.device | str],
         cache_dtype: str = "fp16",
         value_dim: Optional[int] = None,
+        kv_layers: Optional[Sequence[bool]] = None,
+        states: Optional[Sequence[Any]] = None,
     ) -> None:
         if max_seq_len < 1:
             raise ValueError("max_seq_len must be at least 1")
@@ -83,16 +92,41 @@ class KVCache:
         self.batch_size = batch_size
         self.cache_dtype = cache_dtype
         k_scheme, v_scheme = cache_schemes(cache_dtype)
-        shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
-        v_shape = shape if value_dim is None else (batch_size, num_kv_heads, max_seq_len, value_dim)
-        self.k: List[Any] = [_buffer(shape, k_scheme, dtypes[i], devices[i]) for i in range(num_layers)]
-        self.v: List[Any] = [_buffer(v_shape, v_scheme, dtypes[i], devices[i]) for i in range(num_layers)]
+        kv = list(kv_layers) if kv_layers is not None else [True] * num_layers
+        shapes = [(batch_size, num_kv_heads, max_seq_len if kv[i] else 0, head_dim) for i in range(num_layers)]
+        v_shapes = shapes if value_dim is None else [s[:3] + (value_dim,) for s in shapes]
+        self.k: List[Any] = [_buffer(shapes[i], k_scheme, dtypes[i], devices[i]) for i in range(num_layers)]
+        self.v: List[Any] = [_buffer(v_shapes[i], v_scheme, dtypes[i], devices[i]) for i in range(num_layers)]
+        #: per layer, the recurrent state of a linear-attention layer (None: the layer keeps K/V)
+        self.states: List[Any] = list(states) if states is not None else [None] * num_layers
+        #: (length, the states at that length) for lengths the cache can be truncated back to
+        self.snapshots: List[Tuple[int, List[Any]]] = []
         self.seq_len = 0
         self.tokens: List[int] = []
 
     @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a recurrent state (then lengths can only be restored to snapshots)."""
+        return any(s is not None for s in self.states)
+
+    @property
     def nbytes(self) -> int:
-        return sum(buffer_bytes(t) for t in self.k + self.v)
+        held = [s for s in self.states if s is not None] + [s for _, snap in self.snapshots for s in snap]
+        return sum(buffer_bytes(t) for t in self.k + self.v) + sum(s.nbytes for s in held)
+
+    def restorable(self, n: int) -> int:
+        """The longest length <= n this cache can be truncated to: n itself unless a recurrent state would have to
+        forget positions, then the longest snapshot <= n (0: the empty state)."""
+        if not self.recurrent or n >= self.seq_len:
+            return n
+        return max([p for p, _ in self.snapshots if p <= n] + [0])
+
+    def snapshot(self) -> None:
+        """Keep a copy of every recurrent state at the current length (the last MAX_SNAPSHOTS are kept)."""
+        if not self.recurrent or any(p == self.seq_len for p, _ in self.snapshots) or self.seq_len == 0:
+            return
+        self.snapshots.append((self.seq_len, [s.clone() for s in self.states if s is not None]))
+        del self.snapshots[:-MAX_SNAPSHOTS]
 
     def reserve(self, n: int) -> int:
         """Check that n more positions fit; returns the position they start at."""
@@ -103,11 +137,36 @@ class KVCache:
         return self.seq_len
 
     def truncate(self, n: int) -> None:
-        """Keep only the first n positions (the buffers are untouched; later writes overwrite)."""
+        """Keep only the first n positions (the buffers are untouched; later writes overwrite). With recurrent
+        states n must be `restorable`: the current length, a snapshot's or 0."""
         if not 0 <= n <= self.seq_len:
             raise ValueError(f"cannot truncate a cache of {self.seq_len} positions to {n}")
+        if self.recurrent and (n != self.seq_len or n == 0):
+            self._restore(n)
         self.seq_len = n
         del self.tokens[n:]
+
+    def _restore(self, n: int) -> None:
+        live = [s for s in self.states if s is not None]
+        if n == 0:
+            for state in live:
+                state.zero_()
+        else:
+            saved = [snap for p, snap in self.snapshots if p == n]
+            if not saved:
+                raise ValueError(f"this cache's recurrent states cannot return to length {n} (restorable: "
+                                 f"{self.restorable(n)})")
+            for state, copy in zip(live, saved[0]):
+                state.copy_(copy)
+        self.snapshots = [(p, snap) for p, snap in self.snapshots if p <= n]
+
+    def drop_states(self) -> None:
+        """Forget everything after a forward that stopped part-way: its recurrent states hold positions the cache
+        does not list (K/V written past seq_len are harmless, a state that ran ahead is not)."""
+        self.seq_len = 0
+        self.tokens.clear()
+        self.snapshots.clear()
+        self._restore(0)
 
     def rewind(self, n: int) -> None:
         self.truncate(self.seq_len - n)
@@ -120,8 +179,14 @@ class KVCache:
         n = other.seq_len if length is None else length
         if n > self.max_seq_len:
             raise OutOfContextError(f"{n} positions do not fit in a cache of {self.max_seq_len}.")
+        if other.recurrent and n != other.seq_len:
+            raise ValueError("a cache with recurrent states can only be copied whole")
         for dst, src in zip(self.k + self.v, other.k + other.v):
             dst[:, :, :n].copy_(src[:, :, :n])
+        for mine, theirs in zip(self.states, other.states):
+            if mine is not None:
+                mine.copy_(theirs)
+        self.snapshots = [(p, [s.clone() for s in snap]) for p, snap in other.snapshots]
         self.seq_len = n
         self.tokens = list(other.tokens[:n])
 
@@ -132,6 +197,8 @@ class KVCache:
         twin.cache_dtype = self.cache_dtype
         twin.k = [t.clone() for t in self.k]
         twin.v = [t.clone() for t in self.v]
+        twin.states = [None if s is None else s.clone() for s in self.states]
+        twin.snapshots = [(p, [s.clone() for s in snap]) for p, snap in self.snapshots]
         twin.seq_len = self.seq_len
         twin.tokens = list(self.tokens)
         return twin

@@ -97,6 +97,8 @@ class Features:
     - `logit_scale`: final logits are multiplied by it (Cohere).
     - `rope_interleaved`: RoPE rotates pairs of neighbouring head dimensions (2i, 2i + 1) instead of the halves
       (i, i + dim / 2); the model reorders q and k per head so the rotate-half kernels serve both.
+    - `attn_output_gate`: q_proj yields, per head, the query and then a gate of head_dim each; the attention output
+      is multiplied by sigmoid(gate) before o_proj (Qwen3.5's and Qwen3-Next's full-attention layers).
     """
 
     biases: Tuple[str, ...] = ()
@@ -116,6 +118,7 @@ class Features:
     parallel_block: bool = False
     logit_scale: Optional[float] = None
     rope_interleaved: bool = False
+    attn_output_gate: bool = False
 
     @property
     def quantized_cache(self) -> bool:

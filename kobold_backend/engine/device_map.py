@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from kobold_backend.engine.cache import cache_bytes_per_token
+from kobold_backend.engine.cache import MAX_SNAPSHOTS, cache_bytes_per_token
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.loader import DEFAULT_MAX_SEQ_LEN, resolve_dtype
 from kobold_backend.engine.weights import WeightReader
@@ -149,14 +149,19 @@ class Sizes:
                 total += self._exl2(name[: -len(".q_weight")])
             elif name.endswith("_blocks"):  # MXFP4 (gpt-oss's experts), dequantized at load: 32 values per 16 bytes
                 total += _numel(shape) * 2 * elem
-            # `_proj`: gpt-oss's stacked experts; `_bias`: GLM-4.5's and DeepSeek-V3's e_score_correction_bias
-            elif name.endswith((".weight", ".bias", "_bias", "_proj", ".sinks")):
+            # `_proj`: gpt-oss's stacked experts; `_bias`: GLM-4.5's and DeepSeek-V3's e_score_correction_bias and
+            # Qwen3.5's dt_bias; `.A_log`: Qwen3.5's decay
+            elif name.endswith((".weight", ".bias", "_bias", "_proj", ".sinks", ".A_log")):
                 total += _numel(shape) * elem
         return total
 
-    def cache(self, elem: int) -> int:
-        """K and V of one layer for max_seq_len positions, in the layer's dtype (`elem` bytes) or quantized."""
+    def cache(self, elem: int, index: Optional[int] = None) -> int:
+        """K and V of one layer for max_seq_len positions, in the layer's dtype (`elem` bytes) or quantized; for
+        layer `index` with a fixed-size state instead (linear attention), that state and its snapshots."""
         c = self.config
+        state = None if index is None else c.description.state_bytes(c, index, elem)
+        if state is not None:
+            return self.batch_size * state * (1 + MAX_SNAPSHOTS)
         heads, key, value = c.features.cache_shape if c.features is not None else (0, 0, 0)
         per_token = heads * (key + value) * elem if heads else \
             cache_bytes_per_token(self.cache_dtype, c.num_kv_heads, c.head_dim, elem)
@@ -492,7 +497,7 @@ def _account(sizes: Sizes, layer_devices: List[str], head: str, embed_on_cpu: bo
             u.buffer_bytes += sizes.working(e) + sizes.rope(e)
         u.layers.append(i)
         u.weight_bytes += sizes.layer(i, e)
-        u.cache_bytes += sizes.cache(e)
+        u.cache_bytes += sizes.cache(e, i)
     w, b = _head_bytes(sizes, head, embed_dev, gpu_dtype)
     usage[head].weight_bytes += w
     usage[head].buffer_bytes += b

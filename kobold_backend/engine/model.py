@@ -93,6 +93,9 @@ class Layer:
     projection name; GPTQ layers keep theirs), `sinks` (per-head attention-sink logits [num_heads], gpt-oss),
     `attn`, an attention object (engine/mla.py) called instead of q/k/v, and `mlp`, a routed MLP object called as
     `mlp(x, index, passthrough)` instead of gate/up/down.
+    `mixer` replaces the whole attention block including o_proj (q/k/v/o stay None): `mixer(x, cache, index, pos)`
+    maps the normed hidden state to the block's output and keeps a recurrent state of its own in the cache
+    (`cache.states[index]`, engine/linear_attention.py); the layer then has no K/V buffers.
     `mlp_perm` is set when an act-order down_proj's input permutation was folded into gate/up's outputs
     (engine/mlp_fold.py): the intermediate is stored in that order, feature j being the checkpoint's mlp_perm[j].
     """
@@ -101,7 +104,7 @@ class Layer:
     q_proj: Optional[Weight]
     k_proj: Optional[Weight]
     v_proj: Optional[Weight]
-    o_proj: Weight
+    o_proj: Optional[Weight]
     post_norm: Optional[torch.Tensor]
     gate_proj: Optional[Weight]
     up_proj: Optional[Weight]
@@ -119,6 +122,7 @@ class Layer:
     mlp_perm: Optional[torch.Tensor] = None
     sinks: Optional[torch.Tensor] = None
     attn: Optional[Any] = None
+    mixer: Optional[Any] = None
 
     PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "qkv_proj", "gate_up_proj")
@@ -181,6 +185,8 @@ class Layer:
             yield from self.mlp.tensors()
         if self.attn is not None:
             yield from self.attn.tensors()
+        if self.mixer is not None:
+            yield from self.mixer.tensors()
 
 
 class Model:
@@ -252,7 +258,15 @@ class Model:
             devices=[layer.device for layer in self.layers],
             cache_dtype=cache_dtype or self.cache_dtype,
             value_dim=value,
+            kv_layers=[layer.mixer is None for layer in self.layers],
+            states=[None if layer.mixer is None else layer.mixer.new_state(batch_size) for layer in self.layers],
         )
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a recurrent state (linear attention): its cache cannot be shifted, rewound only
+        to snapshots, and it cannot run `decode_step` (CUDA graphs, multi-row verification)."""
+        return any(layer.mixer is not None for layer in self.layers)
 
     @torch.inference_mode()
     def forward(
@@ -287,6 +301,8 @@ class Model:
 
         A quantized cache (ops/kv_quant.QuantizedKV) moves the values' bytes as they are and re-quantizes the
         re-rotated keys from their dequantized float32 values (`.float()` / `.copy_` of a float tensor)."""
+        if cache.recurrent:
+            raise ValueError("this model's linear-attention state holds every position; it cannot be shifted")
         end = cache.seq_len
         if drop <= 0 or not 0 <= start < start + drop <= end:
             raise ValueError(f"cannot drop {drop} positions at {start} from a cache of {end}")
@@ -310,6 +326,8 @@ class Model:
         speculative verification), each attending over the cache up to its own position within the first
         `length`; float32 logits [B, T, V]. No host-side state changes, so a CUDA graph can capture it. The caller
         advances `cache.seq_len`."""
+        if self.recurrent:
+            raise ValueError("this model's linear-attention layers run only at host positions (no CUDA graphs)")
         h = self._embed(ids)
         for index, layer in enumerate(self.layers):
             h = h.to(device=layer.device, dtype=layer.input_norm.dtype)
@@ -342,11 +360,14 @@ class Model:
         cfg = self.config
         eps = cfg.rms_norm_eps
         x = self._norm(h, layer.input_norm, eps)
-        if layer.attn is not None:
-            a = layer.attn(x, cache.k[index], self.cos[index], self.sin[index], pos, self.scale, pos_t, length)
+        if layer.mixer is not None:  # its output already includes the output projection
+            a = layer.mixer(x, cache, index, pos)
         else:
-            a = self._attention(index, layer, x, cache, pos, passthrough, pos_t, length)
-        a = self._proj(index, layer, "o_proj", a, passthrough)
+            if layer.attn is not None:
+                a = layer.attn(x, cache.k[index], self.cos[index], self.sin[index], pos, self.scale, pos_t, length)
+            else:
+                a = self._attention(index, layer, x, cache, pos, passthrough, pos_t, length)
+            a = self._proj(index, layer, "o_proj", a, passthrough)
         if layer.attn_out_norm is not None:
             a = self._norm(a, layer.attn_out_norm, eps)
         if self.features.parallel_block:
@@ -382,7 +403,12 @@ class Model:
         eps = cfg.rms_norm_eps
         b, t, _ = x.shape
         qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = self._projs(index, layer, "qkv_proj", QKV, (qd, kvd, kvd), x, passthrough)
+        gated = self.features.attn_output_gate
+        q, k, v = self._projs(index, layer, "qkv_proj", QKV, (2 * qd if gated else qd, kvd, kvd), x, passthrough)
+        gate = None
+        if gated:  # per head: the query, then its output gate
+            q, gate = q.view(b, t, cfg.num_heads, 2 * cfg.head_dim).chunk(2, dim=-1)
+            q, gate = q.contiguous(), gate.reshape(b, t, qd)
         q = q.view(b, t, cfg.num_heads, cfg.head_dim)
         k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -405,7 +431,8 @@ class Model:
         else:
             q = ops.rope_cache_write(q, k, v, self.cos[index], self.sin[index], pos, k_cache, v_cache)
             a = ops.attention(q, k_cache, v_cache, pos, self.scale, window=window, softcap=cap, sinks=layer.sinks)
-        return a.reshape(b, t, cfg.num_heads * cfg.head_dim)
+        a = a.reshape(b, t, qd)
+        return a if gate is None else a * torch.sigmoid(gate)
 
     @staticmethod
     def _proj(index: int, layer: Layer, name: str, x: torch.Tensor,
