@@ -18,7 +18,7 @@ tower (`model.visual.`) and the multi-token-prediction head (`mtp.`) are not loa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from kobold_backend.engine.architectures.base import (
@@ -30,7 +30,9 @@ from kobold_backend.engine.architectures.base import (
     partial_ropes,
     register,
 )
+from kobold_backend.engine.architectures.moe import MoeSpec, RoutedArchitecture
 from kobold_backend.engine.config_types import ConfigData
+from kobold_backend.engine.moe import DenseMLP, RoutedExperts
 from kobold_backend.errors import ModelFormatError
 
 
@@ -119,7 +121,7 @@ class Qwen3_5(Architecture):
         linears = {k: v for k, v in base.linears.items() if k in ("gate_proj", "up_proj", "down_proj")}
         norms = {k: v for k, v in base.norms.items() if k in ("input_norm", "post_norm")}
         mixer = {f"mixer.{k}": v for k, v in self.mixer_linears(config, index).items()}
-        return LayerLayout(linears, norms, (), mixer, tensors=self.mixer_tensors(config, index))
+        return LayerLayout(linears, norms, (), {**base.mlp_linears, **mixer}, tensors=self.mixer_tensors(config, index))
 
     def mixer_tensors(self, config: ConfigData, index: int) -> Dict[str, Tuple[int, ...]]:
         """A linear-attention layer's tensors besides its linears (checkpoint name -> shape)."""
@@ -152,21 +154,22 @@ class Qwen3_5(Architecture):
                              raw.get("linear_value_head_order") == "tiled")
 
 
-class Qwen3_5Moe(Qwen3_5):
+class Qwen3_5Moe(Qwen3_5, RoutedArchitecture):
+    """Every layer routed (top-k renormalised) with a sigmoid-gated shared expert: RoutedArchitecture's experts and
+    RoutedExperts.shared, a DenseMLP with `out_gate`."""
+
     model_types = ("qwen3_5_moe_text",)
     class_names = ("Qwen3_5MoeForCausalLM",)
 
     def features(self, raw: Dict[str, Any], config: ConfigData, where: str) -> Features:
-        experts = _positive(raw, "num_experts", where)
-        if _positive(raw, "num_experts_per_tok", where) > experts:
-            raise ModelFormatError(f"{where}: num_experts_per_tok exceeds the {experts} experts.")
-        _positive(raw, "moe_intermediate_size", where)
+        self.check(raw, config, where)
         _positive(raw, "shared_expert_intermediate_size", where)
         return super().features(raw, config, where)
 
-    def routed(self, raw: Dict[str, Any], index: int) -> bool:
-        """Whether layer `index` has routed experts (every layer of Qwen3.5-MoE) or the dense MLP."""
-        return True
+    def moe(self, raw: Dict[str, Any], config: ConfigData, where: str) -> MoeSpec:
+        return MoeSpec("mlp", ("gate_proj", "up_proj", "down_proj"), _positive(raw, "num_experts", where),
+                       _positive(raw, "num_experts_per_tok", where), _positive(raw, "moe_intermediate_size", where),
+                       self.renormalize(raw))
 
     def renormalize(self, raw: Dict[str, Any]) -> bool:
         """Whether the top-k routing weights are renormalised to sum 1 (always for Qwen3.5-MoE)."""
@@ -176,39 +179,21 @@ class Qwen3_5Moe(Qwen3_5):
         layout = super().layout(config, index)
         if not self.routed(config.raw, index):
             return layout
-        raw, h = config.raw, config.hidden_size
-        inter, shared = raw["moe_intermediate_size"], raw["shared_expert_intermediate_size"]
-        mlp = dict(layout.mlp_linears)
-        mlp["router"] = Linear("mlp.gate", h, raw["num_experts"], quantized=False)
-        mlp["shared_gate"] = Linear("mlp.shared_expert_gate", h, 1, quantized=False)
-        for name, size in (("shared", shared),) + tuple((f"{e}", inter) for e in range(raw["num_experts"])):
-            prefix = "mlp.shared_expert" if name == "shared" else f"mlp.experts.{name}"
-            mlp[f"{name}.gate"] = Linear(f"{prefix}.gate_proj", h, size)
-            mlp[f"{name}.up"] = Linear(f"{prefix}.up_proj", h, size)
-            mlp[f"{name}.down"] = Linear(f"{prefix}.down_proj", size, h)
-        attention = {k: v for k, v in layout.linears.items() if k not in ("gate_proj", "up_proj", "down_proj")}
-        return LayerLayout(attention, layout.norms, (), mlp, tensors=layout.tensors)
+        h, shared = config.hidden_size, config.raw["shared_expert_intermediate_size"]
+        mlp = dict(layout.mlp_linears, shared_gate=Linear("mlp.shared_expert_gate", h, 1, quantized=False))
+        mlp.update({"shared.gate": Linear("mlp.shared_expert.gate_proj", h, shared),
+                    "shared.up": Linear("mlp.shared_expert.up_proj", h, shared),
+                    "shared.down": Linear("mlp.shared_expert.down_proj", shared, h)})
+        return replace(layout, mlp_linears=mlp)
 
-    def build_mlp(self, loader: Any, config: ConfigData, index: int) -> Any:
-        if not self.routed(config.raw, index):
+    def build_mlp(self, loader: Any, config: ConfigData, index: int) -> Optional[RoutedExperts]:
+        experts = super().build_mlp(loader, config, index)
+        if experts is None:
             return None
-        from kobold_backend.engine.model import ACTIVATIONS
-        from kobold_backend.engine.moe import DenseMLP, RoutedExperts, stack_expert_mlps
-
         mlp = self.layout(config, index).mlp_linears
-
-        def load(name: str) -> Any:
-            lin = mlp[name]
-            return loader.linear(lin.prefix, lin.in_features, lin.out_features)
-
-        experts = range(config.raw["num_experts"])
-        gate_up, up, down = stack_expert_mlps([load(f"{e}.gate") for e in experts],
-                                              [load(f"{e}.up") for e in experts],
-                                              [load(f"{e}.down") for e in experts])
-        act = ACTIVATIONS[config.features.activation]
-        shared = DenseMLP(load("shared.gate"), load("shared.up"), load("shared.down"), act, load("shared_gate"))
-        return RoutedExperts(load("router"), gate_up, up, down, config.raw["num_experts_per_tok"],
-                             self.renormalize(config.raw), act, shared=shared)
+        gate, up, down, out_gate = (loader.linear(mlp[n].prefix, mlp[n].in_features, mlp[n].out_features)
+                                    for n in ("shared.gate", "shared.up", "shared.down", "shared_gate"))
+        return replace(experts, shared=DenseMLP(gate, up, down, experts.act, out_gate))
 
 
 class Qwen3Next(Qwen3_5Moe):
