@@ -218,7 +218,8 @@ def test_gguf_unknown_architecture_is_one_sentence(written, tmp_path: Path) -> N
     path.write_bytes(bytes(raw))
     with pytest.raises(ModelFormatError, match=r"other\.gguf: GGUF architecture 'phi9' is not supported yet "
                                                r"\(supported: llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3, "
-                                               r"gpt-oss, deepseek2, command-r, cohere2, glm4, glm4moe, mistral3\)"):
+                                               r"gpt-oss, deepseek2, command-r, cohere2, glm4, glm4moe, mistral3, "
+                                               r"qwen35, qwen35moe\)"):
         load_model(path, device="cpu")
 
 

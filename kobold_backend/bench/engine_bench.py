@@ -59,6 +59,7 @@ def bench_engine(path: str, device: str = "auto", prompt_lengths: Sequence[int] 
         ids = random_ids(ctx, vocab, ctx, dev)
         cache.reset()
         model.forward(ids[:, :-1], cache)
+        cache.snapshot()  # a linear-attention model's states return here (no-op for a KV cache)
         _decode(model, cache, graph, int(ids[0, -1]), 4)  # warm-up and graph capture for this bucket
         cache.truncate(ctx - 1)
         first = int(ids[0, -1])
@@ -72,6 +73,9 @@ def bench_engine(path: str, device: str = "auto", prompt_lengths: Sequence[int] 
     cache.reset()
     full = timed(lambda: torch.argmax(model.forward(conversation, cache)[0, -1]).item(), dev)
     new = conversation[0, chat_context:].tolist()
+    cache.reset()
+    model.forward(conversation[:, :chat_context], cache)
+    cache.snapshot()  # the turn's cached context, restorable for a linear-attention model
     lane = Lane(model, cache, graph is not None)  # the generator's path: a graph replay for a short chunk
 
     def turn_once(feed: Any) -> float:
@@ -89,6 +93,7 @@ def bench_engine(path: str, device: str = "auto", prompt_lengths: Sequence[int] 
         ids = random_ids(64, vocab, 11, dev)
         cache.reset()
         model.forward(ids[:, :-1], cache)
+        cache.snapshot()
         with_graph = _decode(model, cache, graph, int(ids[0, -1]), 32)
         cache.truncate(63)
         eager = _decode(model, cache, None, int(ids[0, -1]), 32)

@@ -4,6 +4,11 @@ K and V are kept in the layer's dtype ('fp16', the default) or quantized to 8 or
 of 32 values per position and head, Hadamard-rotated, one fp16 scale each); keys and values may differ.
 Layers may differ in KV heads and head size (Gemma 4), and a layer may share an earlier layer's buffers (Gemma 4's
 KV sharing: `sources[i]` names the layer whose K/V layer i reads; its entries are that layer's own objects).
+
+Layers with a recurrent token mixer (engine/linear_attention.py) keep a fixed-size state instead of K/V (their K/V
+buffers hold no positions). Such a state holds the whole prefix and cannot be cut back to an earlier length, so the
+cache keeps a few snapshots of every state (`snapshot()`, taken by the lane after a prompt's next-to-last token):
+`restorable(n)` is the longest length <= n the cache can return to, and `truncate` goes only there.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ CACHE_DTYPES: Dict[str, Tuple[str, str]] = {
     "q4": ("q4", "q4"),
     "k8v4": ("q8", "q4"),
 }
+#: recurrent-state snapshots a cache keeps (each as large as all the states: ~100 MB for a 27B Qwen3.5)
+MAX_SNAPSHOTS = 2
 
 
 def cache_schemes(cache_dtype: str) -> Tuple[str, str]:
@@ -83,6 +90,8 @@ class KVCache:
         cache_dtype: str = "fp16",
         value_dim: Optional[int] = None,
         sources: Sequence[Optional[int]] = (),
+        kv_layers: Optional[Sequence[bool]] = None,
+        states: Optional[Sequence[Any]] = None,
     ) -> None:
         if max_seq_len < 1:
             raise ValueError("max_seq_len must be at least 1")
@@ -92,6 +101,7 @@ class KVCache:
         k_scheme, v_scheme = cache_schemes(cache_dtype)
         heads = _per_layer(num_kv_heads, num_layers)
         dims = _per_layer(head_dim, num_layers)
+        kv = list(kv_layers) if kv_layers is not None else [True] * num_layers
         self.sources: Tuple[Optional[int], ...] = tuple(sources[:num_layers]) or (None,) * num_layers
         self.k: List[Any] = []
         self.v: List[Any] = []
@@ -100,17 +110,41 @@ class KVCache:
                 self.k.append(self.k[src])
                 self.v.append(self.v[src])
                 continue
-            shape = (batch_size, heads[i], max_seq_len, dims[i])
-            v_shape = shape if value_dim is None else (batch_size, heads[i], max_seq_len, value_dim)
+            shape = (batch_size, heads[i], max_seq_len if kv[i] else 0, dims[i])
+            v_shape = shape if value_dim is None else shape[:3] + (value_dim,)
             self.k.append(_buffer(shape, k_scheme, dtypes[i], devices[i]))
             self.v.append(_buffer(v_shape, v_scheme, dtypes[i], devices[i]))
+        #: per layer, the recurrent state of a linear-attention layer (None: the layer keeps K/V)
+        self.states: List[Any] = list(states) if states is not None else [None] * num_layers
+        #: (length, the states at that length) for lengths the cache can be truncated back to
+        self.snapshots: List[Tuple[int, List[Any]]] = []
         self.seq_len = 0
         self.tokens: List[int] = []
 
     @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a recurrent state (then lengths can only be restored to snapshots)."""
+        return any(s is not None for s in self.states)
+
+    @property
     def nbytes(self) -> int:
+        held = [s for s in self.states if s is not None] + [s for _, snap in self.snapshots for s in snap]
         return sum(buffer_bytes(t) for i, t in enumerate(self.k + self.v)
-                   if self.sources[i % len(self.k)] is None)
+                   if self.sources[i % len(self.k)] is None) + sum(s.nbytes for s in held)
+
+    def restorable(self, n: int) -> int:
+        """The longest length <= n this cache can be truncated to: n itself unless a recurrent state would have to
+        forget positions, then the longest snapshot <= n (0: the empty state)."""
+        if not self.recurrent or n >= self.seq_len:
+            return n
+        return max([p for p, _ in self.snapshots if p <= n] + [0])
+
+    def snapshot(self) -> None:
+        """Keep a copy of every recurrent state at the current length (the last MAX_SNAPSHOTS are kept)."""
+        if not self.recurrent or any(p == self.seq_len for p, _ in self.snapshots) or self.seq_len == 0:
+            return
+        self.snapshots.append((self.seq_len, [s.clone() for s in self.states if s is not None]))
+        del self.snapshots[:-MAX_SNAPSHOTS]
 
     def reserve(self, n: int) -> int:
         """Check that n more positions fit; returns the position they start at."""
@@ -121,11 +155,36 @@ class KVCache:
         return self.seq_len
 
     def truncate(self, n: int) -> None:
-        """Keep only the first n positions (the buffers are untouched; later writes overwrite)."""
+        """Keep only the first n positions (the buffers are untouched; later writes overwrite). With recurrent
+        states n must be `restorable`: the current length, a snapshot's or 0."""
         if not 0 <= n <= self.seq_len:
             raise ValueError(f"cannot truncate a cache of {self.seq_len} positions to {n}")
+        if self.recurrent and (n != self.seq_len or n == 0):
+            self._restore(n)
         self.seq_len = n
         del self.tokens[n:]
+
+    def _restore(self, n: int) -> None:
+        live = [s for s in self.states if s is not None]
+        if n == 0:
+            for state in live:
+                state.zero_()
+        else:
+            saved = [snap for p, snap in self.snapshots if p == n]
+            if not saved:
+                raise ValueError(f"this cache's recurrent states cannot return to length {n} (restorable: "
+                                 f"{self.restorable(n)})")
+            for state, copy in zip(live, saved[0]):
+                state.copy_(copy)
+        self.snapshots = [(p, snap) for p, snap in self.snapshots if p <= n]
+
+    def drop_states(self) -> None:
+        """Forget everything after a forward that stopped part-way: its recurrent states hold positions the cache
+        does not list (K/V written past seq_len are harmless, a state that ran ahead is not)."""
+        self.seq_len = 0
+        self.tokens.clear()
+        self.snapshots.clear()
+        self._restore(0)
 
     def rewind(self, n: int) -> None:
         self.truncate(self.seq_len - n)
@@ -138,9 +197,15 @@ class KVCache:
         n = other.seq_len if length is None else length
         if n > self.max_seq_len:
             raise OutOfContextError(f"{n} positions do not fit in a cache of {self.max_seq_len}.")
+        if other.recurrent and n != other.seq_len:
+            raise ValueError("a cache with recurrent states can only be copied whole")
         for i, (dst, src) in enumerate(zip(self.k + self.v, other.k + other.v)):
             if self.sources[i % len(self.k)] is None:
                 dst[:, :, :n].copy_(src[:, :, :n])
+        for mine, theirs in zip(self.states, other.states):
+            if mine is not None:
+                mine.copy_(theirs)
+        self.snapshots = [(p, [s.clone() for s in snap]) for p, snap in other.snapshots]
         self.seq_len = n
         self.tokens = list(other.tokens[:n])
 
@@ -154,6 +219,8 @@ class KVCache:
         for i, src in enumerate(self.sources):
             twin.k.append(self.k[i].clone() if src is None else twin.k[src])
             twin.v.append(self.v[i].clone() if src is None else twin.v[src])
+        twin.states = [None if s is None else s.clone() for s in self.states]
+        twin.snapshots = [(p, [s.clone() for s in snap]) for p, snap in self.snapshots]
         twin.seq_len = self.seq_len
         twin.tokens = list(self.tokens)
         return twin

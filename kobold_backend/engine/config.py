@@ -85,8 +85,10 @@ class ModelConfig(ConfigData):
         arch = lookup(model_type, archs, where)
         raw = arch.text_config(raw, where)
         try:
-            hidden, inter, layers, heads, vocab = (whole(raw[key], key, where) for key in (
-                "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"))
+            hidden, layers, heads, vocab = (whole(raw[key], key, where) for key in (
+                "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"))
+            inter_key = "intermediate_size" if raw.get("intermediate_size") else "moe_intermediate_size"  # MoE-only
+            inter = whole(raw[inter_key], inter_key, where)
         except KeyError as exc:
             raise ModelFormatError(f"{where}: config.json lacks the required key {exc.args[0]!r}.") from None
         for key, value in (("hidden_size", hidden), ("intermediate_size", inter), ("num_hidden_layers", layers),

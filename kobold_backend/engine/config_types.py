@@ -106,6 +106,8 @@ class Features:
     - `kv_sources`: per layer, None or the earlier layer whose cache it attends over; such a layer computes no
       keys or values of its own (Gemma 4's KV sharing).
     - `activation_sparsity`: per layer, Gemma 3n's target sparsity of the MLP gate (0: dense; empty: none).
+    - `attn_output_gate`: q_proj yields, per head, the query and then a gate of head_dim each; the attention output
+      is multiplied by sigmoid(gate) before o_proj (Qwen3.5's and Qwen3-Next's full-attention layers).
     """
 
     biases: Tuple[str, ...] = ()
@@ -130,6 +132,7 @@ class Features:
     intermediate_sizes: Tuple[int, ...] = ()
     kv_sources: Tuple[Optional[int], ...] = ()
     activation_sparsity: Tuple[float, ...] = ()
+    attn_output_gate: bool = False
 
     @property
     def quantized_cache(self) -> bool:

@@ -36,7 +36,10 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def graphs_supported(model: Model) -> bool:
-    """Graphs need every layer, the embedding and the head on one CUDA device."""
+    """Graphs need every layer, the embedding and the head on one CUDA device, and no recurrent layer (a linear
+    attention state advances on the host's count of positions, and padded or rejected rows would corrupt it)."""
+    if model.recurrent:
+        return False
     devices = {layer.device for layer in model.layers} | {model.device, model.embed_tokens.device}
     return len(devices) == 1 and model.device.type == "cuda"
 

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from kobold_backend.engine.cache import cache_bytes_per_token
+from kobold_backend.engine.cache import MAX_SNAPSHOTS, cache_bytes_per_token
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.loader import DEFAULT_MAX_SEQ_LEN, resolve_dtype
 from kobold_backend.engine.weights import WeightReader
@@ -153,17 +153,22 @@ class Sizes:
                 total += self._exl2(name[: -len(".q_weight")])
             elif name.endswith("_blocks"):  # MXFP4 (gpt-oss's experts), dequantized at load: 32 values per 16 bytes
                 total += _numel(shape) * 2 * elem
-            # `_proj`: gpt-oss's stacked experts; `_bias`: GLM-4.5's and DeepSeek-V3's e_score_correction_bias
-            elif name.endswith((".weight", ".bias", "_bias", "_proj", ".sinks")) or name[len(p):] in listed:
+            # `_proj`: gpt-oss's stacked experts; `_bias`: GLM-4.5's and DeepSeek-V3's e_score_correction_bias and
+            # Qwen3.5's dt_bias; `.A_log`: Qwen3.5's decay
+            elif name.endswith((".weight", ".bias", "_bias", "_proj", ".sinks", ".A_log")) or name[len(p):] in listed:
                 total += _numel(shape) * elem
         return total
 
     def cache(self, elem: int, index: int = 0) -> int:
         """K and V of layer `index` for max_seq_len positions, in the layer's dtype (`elem` bytes) or quantized;
-        none for a layer that reads an earlier layer's cache (Gemma 4 / 3n KV sharing)."""
+        none for a layer that reads an earlier layer's cache (Gemma 4 / 3n KV sharing); for a layer with a
+        fixed-size state instead (linear attention), that state and its snapshots."""
         c = self.config
         if c.features is not None and c.layer_kv_source(index) is not None:
             return 0
+        state = c.description.state_bytes(c, index, elem) if c.arch is not None else None
+        if state is not None:
+            return self.batch_size * state * (1 + MAX_SNAPSHOTS)
         heads, key, value = c.features.cache_shape if c.features is not None else (0, 0, 0)
         if heads:
             per_token = heads * (key + value) * elem

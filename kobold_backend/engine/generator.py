@@ -320,6 +320,9 @@ class Generator:
             raise RequestError(f"beam_length must be in [1, {MAX_BEAM_LENGTH}]", "beam_length")
         if req.num_beams > 1 and (req.negative_prompt_ids or req.passthrough is not None):
             raise RequestError("beam search cannot be combined with a negative prompt or passthrough", "num_beams")
+        if req.num_beams > 1 and self.model.recurrent:
+            raise RequestError("beam search is not available for this model: its linear-attention layers keep one "
+                               "recurrent state, which beams cannot share", "num_beams")
         if req.num_beams > 1 and req.grammar is not None:
             raise RequestError("beam search cannot be combined with a grammar", "num_beams")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
@@ -372,7 +375,8 @@ class Generator:
         sampler.begin(prompt)
         spec, spec_stats = start_speculation(
             self.speculator, prompt, budget, sampler, self.context_shift,
-            passthrough=req.passthrough is not None, negative_prompt=guide is not None, beams=req.num_beams > 1)
+            passthrough=req.passthrough is not None, negative_prompt=guide is not None, beams=req.num_beams > 1,
+            recurrent=self.model.recurrent)
         driver = self.lane if spec is None else spec  # the target's decode steps and rewinds
         beams = None
         if req.num_beams > 1:

@@ -61,13 +61,19 @@ class Lane:
         cache = self.cache
         if passthrough is not None or self.tainted:
             cache.reset()  # states computed with other (or without these) actions must not be reused
-        elif context_shift:
+        elif context_shift and not cache.recurrent:  # a recurrent state cannot drop a span: reuse the prefix
             shift = find_shift(cache.tokens, prompt)
             if shift is not None:
                 self.model.shift_cache(cache, *shift)
-        reuse = min(common_prefix(cache.tokens, prompt), len(prompt) - 1)
+        reuse = cache.restorable(min(common_prefix(cache.tokens, prompt), len(prompt) - 1))
         cache.truncate(reuse)
         self.tainted = passthrough is not None
+        if cache.recurrent and reuse < len(prompt) - 1:
+            # keep the states before the prompt's last token: the same prompt again (a retry) or one that extends
+            # it (the next chat turn) restarts from there
+            self.feed(prompt[reuse:-1], passthrough)
+            cache.snapshot()
+            return self.feed(prompt[-1:], passthrough), reuse
         return self.feed(prompt[reuse:], passthrough), reuse
 
     def feed(self, ids: Sequence[int], passthrough: Optional[ForwardHooks]) -> torch.Tensor:
@@ -83,7 +89,12 @@ class Lane:
         for start in range(0, len(ids), PREFILL_CHUNK):
             chunk = list(ids[start : start + PREFILL_CHUNK])
             x = torch.tensor([chunk], dtype=torch.long, device=self.model.embed_tokens.device)
-            logits = self.model.forward(x, self.cache, passthrough=passthrough)
+            try:
+                logits = self.model.forward(x, self.cache, passthrough=passthrough)
+            except BaseException:
+                if self.cache.recurrent:
+                    self.cache.drop_states()
+                raise
             self.cache.tokens.extend(chunk)
         assert logits is not None
         return logits[0, -1]
@@ -109,7 +120,9 @@ class Lane:
         return logits
 
     def rewind_to(self, length: int, passthrough: Optional[ForwardHooks]) -> torch.Tensor:
-        """Keep `length` positions, then re-run the last kept token to get the logits that follow it."""
-        last = self.cache.tokens[length - 1]
-        self.cache.truncate(length - 1)
-        return self.feed([last], passthrough)
+        """Keep `length` positions, then re-run the last kept token to get the logits that follow it (from the
+        longest restorable length when the cache holds recurrent states)."""
+        tokens = self.cache.tokens[:length]
+        keep = self.cache.restorable(length - 1)
+        self.cache.truncate(keep)
+        return self.feed(tokens[keep:], passthrough)

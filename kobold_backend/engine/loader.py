@@ -12,7 +12,7 @@ import torch
 
 from kobold_backend.engine.architectures import RopeSpec
 from kobold_backend.engine.awq import load_awq_linear
-from kobold_backend.engine.cache import cache_bytes_per_token, cache_schemes, check_cache_dtype
+from kobold_backend.engine.cache import MAX_SNAPSHOTS, cache_bytes_per_token, cache_schemes, check_cache_dtype
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.drafters import check_draft_tokenizer
 from kobold_backend.engine.exl2 import is_exl2_linear, load_exl2_linear, with_exl2_detected
@@ -180,6 +180,9 @@ def _attach_speculation(lm: LoadedModel, mode: str, draft_model: Optional[Union[
         except (ModelFormatError, OSError) as exc:
             raise ModelFormatError(f"The draft model {Path(draft_model).name} could not be loaded: {exc}") from exc
         lm.draft = draft_lm
+        if draft_lm.model.recurrent:
+            raise ModelFormatError(f"The draft model {Path(draft_model).name} has linear-attention layers, whose "
+                                   "state cannot take back rejected draft tokens; choose a draft model without them.")
     lm.speculation = SpeculationConfig(mode, draft_tokens,
                                        None if draft_lm is None else draft_lm.model,
                                        "" if draft_lm is None else draft_lm.name)
@@ -243,9 +246,10 @@ def check_cache_memory(config: ModelConfig, per_layer: Sequence[torch.device], d
         if config.layer_kv_source(index) is not None:
             continue  # it reads an earlier layer's cache
         size = torch.tensor([], dtype=_dtype_for(dev, dtype)).element_size()
+        state = config.description.state_bytes(config, index, size)  # a linear layer's state and its snapshots
         per_token = heads * (key + value) * size if heads else \
             cache_bytes_per_token(cache_dtype, config.layer_kv_heads(index), config.layer_head_dim(index), size)
-        need[dev] = need.get(dev, 0) + seq_len * per_token
+        need[dev] = need.get(dev, 0) + (state * (1 + MAX_SNAPSHOTS) if state is not None else seq_len * per_token)
     for dev, nbytes in need.items():
         free = _available_bytes(dev)
         if free is not None and nbytes > free:
@@ -329,11 +333,11 @@ def _load_layer(ctx: LayerLoader, index: int) -> Layer:
     norms.setdefault("post_norm", None)  # a parallel block has no norm of its own in front of the MLP
     layer = Layer(
         q_proj=weights.get("q_proj"), k_proj=weights.get("k_proj"), v_proj=weights.get("v_proj"),
-        o_proj=weights["o_proj"], gate_proj=weights.get("gate_proj"), up_proj=weights.get("up_proj"),
+        o_proj=weights.get("o_proj"), gate_proj=weights.get("gate_proj"), up_proj=weights.get("up_proj"),
         down_proj=weights.get("down_proj"), qkv_proj=weights.get("qkv_proj"),
         gate_up_proj=weights.get("gate_up_proj"), device=ctx.device, out_features=out_features,
         biases=biases, mlp=arch.build_mlp(ctx, config, index), attn=arch.build_attention(ctx, config, index),
-        **norms,
+        mixer=arch.build_mixer(ctx, config, index), **norms,
     )
     fold_down_permutation(layer)
     layer.fuse()

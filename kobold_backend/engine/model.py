@@ -127,6 +127,9 @@ class Layer:
     (the layer's output is multiplied by it). A layer without v_proj (and no fused qkv) uses k's projection as v.
     Gemma 3n adds `laurel` (called on the normed input; joins the residual after attention, engine/altup.py) and
     `wrap` (AltUp: called as `wrap(streams, run_layer, per_layer_input)`).
+    `mixer` replaces the whole attention block including o_proj (q/k/v/o stay None): `mixer(x, cache, index, pos)`
+    maps the normed hidden state to the block's output and keeps a recurrent state of its own in the cache
+    (`cache.states[index]`, engine/linear_attention.py); the layer then has no K/V buffers.
     `mlp_perm` is set when an act-order down_proj's input permutation was folded into gate/up's outputs
     (engine/mlp_fold.py): the intermediate is stored in that order, feature j being the checkpoint's mlp_perm[j].
     """
@@ -135,7 +138,7 @@ class Layer:
     q_proj: Optional[Weight]
     k_proj: Optional[Weight]
     v_proj: Optional[Weight]
-    o_proj: Weight
+    o_proj: Optional[Weight]
     post_norm: Optional[torch.Tensor]
     gate_proj: Optional[Weight]
     up_proj: Optional[Weight]
@@ -158,6 +161,7 @@ class Layer:
     v_norm: Optional[torch.Tensor] = None
     per_layer_gate: Optional[Any] = None
     out_scale: Optional[torch.Tensor] = None
+    mixer: Optional[Any] = None
 
     PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "qkv_proj", "gate_up_proj")
@@ -219,7 +223,7 @@ class Layer:
             yield self.mlp_perm
         if self.mlp is not None:
             yield from self.mlp.tensors()
-        for part in (self.attn, self.per_layer_gate, self.laurel, self.wrap):
+        for part in (self.attn, self.mixer, self.per_layer_gate, self.laurel, self.wrap):
             if part is not None:
                 yield from part.tensors()
 
@@ -307,7 +311,15 @@ class Model:
             cache_dtype=cache_dtype or self.cache_dtype,
             value_dim=value,
             sources=self.kv_sources,
+            kv_layers=[layer.mixer is None for layer in self.layers],
+            states=[None if layer.mixer is None else layer.mixer.new_state(batch_size) for layer in self.layers],
         )
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a recurrent state (linear attention): its cache cannot be shifted, rewound only
+        to snapshots, and it cannot run `decode_step` (CUDA graphs, multi-row verification)."""
+        return any(layer.mixer is not None for layer in self.layers)
 
     @torch.inference_mode()
     def forward(
@@ -345,6 +357,8 @@ class Model:
 
         A quantized cache (ops/kv_quant.QuantizedKV) moves the values' bytes as they are and re-quantizes the
         re-rotated keys from their dequantized float32 values (`.float()` / `.copy_` of a float tensor)."""
+        if cache.recurrent:
+            raise ValueError("this model's linear-attention state holds every position; it cannot be shifted")
         end = cache.seq_len
         if drop <= 0 or not 0 <= start < start + drop <= end:
             raise ValueError(f"cannot drop {drop} positions at {start} from a cache of {end}")
@@ -370,6 +384,8 @@ class Model:
         speculative verification), each attending over the cache up to its own position within the first
         `length`; float32 logits [B, T, V]. No host-side state changes, so a CUDA graph can capture it. The caller
         advances `cache.seq_len`."""
+        if self.recurrent:
+            raise ValueError("this model's linear-attention layers run only at host positions (no CUDA graphs)")
         h = self._embed(ids)
         extra = self._per_layer_inputs(ids, h)
         h = h if self.streams is None else self.streams.expand(h)
@@ -422,11 +438,14 @@ class Model:
         eps = cfg.rms_norm_eps
         x = self._norm(h, layer.input_norm, eps)
         laurel = None if layer.laurel is None else layer.laurel(x)
-        if layer.attn is not None:
-            a = layer.attn(x, cache.k[index], self.cos[index], self.sin[index], pos, self.scale, pos_t, length)
+        if layer.mixer is not None:  # its output already includes the output projection
+            a = layer.mixer(x, cache, index, pos)
         else:
-            a = self._attention(index, layer, x, cache, pos, passthrough, pos_t, length)
-        a = self._proj(index, layer, "o_proj", a, passthrough)
+            if layer.attn is not None:
+                a = layer.attn(x, cache.k[index], self.cos[index], self.sin[index], pos, self.scale, pos_t, length)
+            else:
+                a = self._attention(index, layer, x, cache, pos, passthrough, pos_t, length)
+            a = self._proj(index, layer, "o_proj", a, passthrough)
         if layer.attn_out_norm is not None:
             a = self._norm(a, layer.attn_out_norm, eps)
         if self.features.parallel_block:
@@ -475,10 +494,15 @@ class Model:
         b, t, _ = x.shape
         hd, kvh, shared = self.head_dims[index], self.kv_heads[index], self.kv_sources[index] is not None
         qd, kvd = cfg.num_heads * hd, kvh * hd
+        gated = self.features.attn_output_gate
         # a KV-sharing layer projects only q; a layer without v_proj reuses k's projection as v
         names = QKV[:1] if shared else QKV if layer.v_proj is not None or layer.qkv_proj is not None else QKV[:2]
-        outs = self._projs(index, layer, "qkv_proj", names, (qd, kvd, kvd), x, passthrough)
-        q = outs[0].view(b, t, cfg.num_heads, hd)
+        outs = self._projs(index, layer, "qkv_proj", names, (2 * qd if gated else qd, kvd, kvd), x, passthrough)
+        q, gate = outs[0], None
+        if gated:  # per head: the query, then its output gate
+            q, gate = q.view(b, t, cfg.num_heads, 2 * hd).chunk(2, dim=-1)
+            q, gate = q.contiguous(), gate.reshape(b, t, qd)
+        q = q.view(b, t, cfg.num_heads, hd)
         if layer.q_norm is not None:
             q = self._norm(q, layer.q_norm, eps)
         perm = self.rope_perms[index]
@@ -510,7 +534,8 @@ class Model:
                                      sinks=layer.sinks)
         else:
             a = ops.attention(q, k_cache, v_cache, pos, self.scale, window=window, softcap=cap, sinks=layer.sinks)
-        return a.reshape(b, t, qd)
+        a = a.reshape(b, t, qd)
+        return a if gate is None else a * torch.sigmoid(gate)
 
     @staticmethod
     def _proj(index: int, layer: Layer, name: str, x: torch.Tensor,

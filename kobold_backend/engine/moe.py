@@ -20,7 +20,8 @@ Routing follows transformers, in float32, by `Routing.scoring`:
 DeepSeek's and GLM-4.5's router projections run in float32 (`Routing.fp32`), as transformers' do.
 Weights are then multiplied by `scale` (`routed_scaling_factor`) and cast to the compute dtype; an expert's
 output is down(act(gate(x) [+ b], up(x) [+ b])) [+ b] scaled by its routing weight, summed over the k experts.
-`shared` experts (DeepSeek, GLM-4.5: one dense MLP of all of them together) run on every token and are added.
+`shared` experts (DeepSeek, GLM-4.5: one dense MLP of all of them together; Qwen3.5-MoE's sigmoid-gated one) run on
+every token and are added.
 """
 
 from __future__ import annotations
@@ -164,18 +165,22 @@ class ExpertBiases:
 
 @dataclass
 class DenseMLP:
-    """An always-on dense MLP beside the routed experts (DeepSeek's shared experts): down(act(gate(x), up(x)))."""
+    """An always-on dense MLP beside the routed experts (DeepSeek's shared experts): down(act(gate(x), up(x))),
+    scaled by sigmoid(x @ out_gate^T) when it has an `out_gate` [1, H] (Qwen3.5-MoE's and Qwen3-Next's
+    shared_expert_gate)."""
 
     gate: Weight
     up: Weight
     down: Weight
     act: Activation
+    out_gate: Optional[Weight] = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _project(self.act(_project(x, self.gate), _project(x, self.up)), self.down)
+        out = _project(self.act(_project(x, self.gate), _project(x, self.up)), self.down)
+        return out if self.out_gate is None else torch.sigmoid(_project(x, self.out_gate)) * out
 
     def tensors(self) -> Iterator[Any]:
-        yield from (self.gate, self.up, self.down)
+        yield from (w for w in (self.gate, self.up, self.down, self.out_gate) if w is not None)
 
 
 @dataclass

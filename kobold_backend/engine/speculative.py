@@ -122,8 +122,11 @@ class SpeculationStats:
                 f"{self.backed_off} plain steps backed off")
 
 
-def fallback_reason(*, passthrough: bool, negative_prompt: bool, beams: bool, mirostat: bool) -> str:
+def fallback_reason(*, passthrough: bool, negative_prompt: bool, beams: bool, mirostat: bool,
+                    recurrent: bool = False) -> str:
     """Why a request decodes without speculation ("" when it can be speculated)."""
+    if recurrent:
+        return "linear-attention model (its recurrent state cannot take back rejected draft tokens)"
     if beams:
         return "beam search"
     if passthrough:
@@ -137,14 +140,14 @@ def fallback_reason(*, passthrough: bool, negative_prompt: bool, beams: bool, mi
 
 def start_speculation(
     speculator: Optional[Speculator], prompt: Sequence[int], budget: int, sampler: Sampler, context_shift: bool, *,
-    passthrough: bool, negative_prompt: bool, beams: bool,
+    passthrough: bool, negative_prompt: bool, beams: bool, recurrent: bool = False,
 ) -> Tuple[Optional[Speculator], Optional[SpeculationStats]]:
     """(the speculator begun on this request or None, the stats the request reports: None without speculation,
     a fallback entry when the request uses a feature that cannot be speculated)."""
     if speculator is None:
         return None, None
     reason = fallback_reason(passthrough=passthrough, negative_prompt=negative_prompt, beams=beams,
-                             mirostat=sampler.settings.mirostat != 0)
+                             mirostat=sampler.settings.mirostat != 0, recurrent=recurrent)
     if reason:
         return None, SpeculationStats(mode=speculator.mode, fallback=reason)
     speculator.begin(prompt, budget, sampler, context_shift)

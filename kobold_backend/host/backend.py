@@ -83,7 +83,9 @@ def check_model_folder(path: Path) -> Optional[str]:
     names.update(config.description.stored_names(sorted(names)))
     if "model.embed_tokens.weight" not in names:
         return f"{path} has no model.embed_tokens.weight tensor"
-    first = next(iter(config.description.layout(config, 0).linears.values()))  # q_proj, or Phi-3's qkv_proj
+    layout = config.description.layout(config, 0)
+    # q_proj, Phi-3's qkv_proj, or (a layer whose mixer and experts the description loads) their first
+    first = next(iter({**layout.linears, **layout.mlp_linears}.values()))
     q = f"model.layers.0.{first.prefix}"
     if f"{q}.qweight" in names and config.quant is None:
         return f"{path} holds GPTQ tensors but no quantization config"

@@ -17,6 +17,7 @@ from kobold_backend.engine.architectures import (  # noqa: F401  (each registers
     moe,
     phi3,
     qwen2,
+    qwen3_5,
 )
 from kobold_backend.engine.architectures.base import (
     Architecture,

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from kobold_backend.engine.config_types import ConfigData, Features, RopeSpec
+from kobold_backend.engine.config_types import ConfigData, Features, RopeSpec, rope_settings
 from kobold_backend.errors import ModelFormatError
 
 __all__ = ["Architecture", "Features", "LayerLayout", "Linear", "RopeSpec", "activation", "layer_type_windows",
-           "lookup", "positive_window", "register", "supported_class_names", "supported_model_types",
+           "lookup", "partial_ropes", "positive_window", "register", "supported_class_names", "supported_model_types",
            "uniform_windows"]
 
 
@@ -81,11 +81,12 @@ class Architecture:
         h, inter = config.hidden_size, config.intermediate_size
         qd, kvd = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         linears: Dict[str, Linear] = {}
+        q_out = 2 * qd if config.features.attn_output_gate else qd  # the query, then its gate, per head
         if "qkv_proj" in self.fused:
             linears["qkv_proj"] = Linear(self.fused["qkv_proj"], h, qd + 2 * kvd,
                                          (("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)))
         else:
-            linears.update(q_proj=Linear("self_attn.q_proj", h, qd), k_proj=Linear("self_attn.k_proj", h, kvd),
+            linears.update(q_proj=Linear("self_attn.q_proj", h, q_out), k_proj=Linear("self_attn.k_proj", h, kvd),
                            v_proj=Linear("self_attn.v_proj", h, kvd))
         linears["o_proj"] = Linear("self_attn.o_proj", qd, h)
         if "gate_up_proj" in self.fused:
@@ -127,6 +128,17 @@ class Architecture:
         """How many layers the checkpoint stores after the decoder stack that inference does not run."""
         return 0
 
+    def state_bytes(self, config: ConfigData, index: int, elem: int) -> Optional[int]:
+        """Bytes of the fixed-size state layer `index` keeps in the cache instead of K/V (one sequence, `elem`:
+        bytes of the layer's dtype), or None when the layer keeps K/V per position (the default)."""
+        return None
+
+    def build_mixer(self, loader: Any, config: ConfigData, index: int) -> Optional[Any]:
+        """Hook for a token mixer other than the generic attention (linear attention): an object
+        called as `mixer(x, cache, index, pos)` (see `Layer.mixer`); the layout then lists no q/k/v/o. None: the
+        generic attention."""
+        return None
+
     def build_mlp(self, loader: Any, config: ConfigData, index: int) -> Optional[Any]:
         """Hook for a non-dense MLP (routed experts): return an object the layer calls instead of gate/up/down.
 
@@ -153,6 +165,20 @@ class Architecture:
         """Hook for a model-level per-layer input (engine/per_layer_input.py `PerLayerEmbedding`), read through a
         `loader` at prefix `model` on the embedding's device. Default: none."""
         return None
+
+
+def partial_ropes(raw: Dict[str, Any], config: ConfigData, where: str, default: float) -> Tuple[RopeSpec, ...]:
+    """One RoPE table per layer rotating head_dim * partial_rotary_factor dimensions (`default` when the config
+    leaves the factor out)."""
+    params = rope_settings(raw) or {}
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", default)) \
+        if isinstance(params, dict) else raw.get("partial_rotary_factor", default)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ModelFormatError(f"{where}: partial_rotary_factor must be in (0, 1], found {factor!r}.")
+    dim = int(config.head_dim * factor)
+    if dim % 2:
+        raise ModelFormatError(f"{where}: partial_rotary_factor {factor} rotates an odd {dim} dimensions per head.")
+    return (RopeSpec(config.rope_theta, config.rope_scaling, dim),) * config.num_layers
 
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}

@@ -19,24 +19,18 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Dict, Optional
 
-from kobold_backend.engine.architectures.base import Architecture, Features, LayerLayout, Linear, RopeSpec, register
+from kobold_backend.engine.architectures.base import (
+    Architecture,
+    Features,
+    LayerLayout,
+    Linear,
+    partial_ropes,
+    register,
+)
 from kobold_backend.engine.architectures.moe import CORRECTION_BIAS, MoeSpec, RoutedArchitecture, _count
-from kobold_backend.engine.config_types import ConfigData, rope_settings
+from kobold_backend.engine.config_types import ConfigData
 from kobold_backend.engine.moe import DenseMLP, RoutedExperts, Routing
 from kobold_backend.errors import ModelFormatError
-
-
-def partial_ropes(raw: Dict[str, Any], config: ConfigData, where: str) -> Any:
-    """One RoPE table per layer rotating head_dim * partial_rotary_factor dimensions."""
-    params = rope_settings(raw) or {}
-    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5)) if isinstance(params, dict) \
-        else raw.get("partial_rotary_factor", 0.5)
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-        raise ModelFormatError(f"{where}: partial_rotary_factor must be in (0, 1], found {factor!r}.")
-    dim = int(config.head_dim * factor)
-    if dim % 2:
-        raise ModelFormatError(f"{where}: partial_rotary_factor {factor} rotates an odd {dim} dimensions per head.")
-    return (RopeSpec(config.rope_theta, config.rope_scaling, dim),) * config.num_layers
 
 
 def _qkv_biases(raw: Dict[str, Any]) -> Any:
@@ -50,7 +44,7 @@ class Glm4(Architecture):
 
     def features(self, raw: Dict[str, Any], config: ConfigData, where: str) -> Features:
         return replace(super().features(raw, config, where), biases=_qkv_biases(raw), attn_out_norm=True,
-                       mlp_out_norm=True, rope_interleaved=True, ropes=partial_ropes(raw, config, where))
+                       mlp_out_norm=True, rope_interleaved=True, ropes=partial_ropes(raw, config, where, 0.5))
 
     def layout(self, config: ConfigData, index: int) -> LayerLayout:
         h = config.hidden_size
@@ -70,7 +64,7 @@ class Glm4Moe(RoutedArchitecture):
             raise ModelFormatError(f"{where}: {experts} experts cannot form n_group {groups[0]} groups of at least "
                                    f"two with topk_group {groups[1]}.")
         return replace(super().features(raw, config, where), biases=_qkv_biases(raw),
-                       qk_norm=bool(raw.get("use_qk_norm")), ropes=partial_ropes(raw, config, where))
+                       qk_norm=bool(raw.get("use_qk_norm")), ropes=partial_ropes(raw, config, where, 0.5))
 
     def moe(self, raw: Dict[str, Any], config: ConfigData, where: str) -> MoeSpec:
         return MoeSpec("mlp", ("gate_proj", "up_proj", "down_proj"),

@@ -42,7 +42,8 @@ def open_gguf(path: Path, with_tokenizer: bool = True) -> Tuple[ModelConfig, Opt
                     (Path(tmp) / name).write_bytes(data)
                 tokenizer = load_tokenizer(tmp, config.bos_token_id, config.eos_token_ids)
         arch = architecture(gguf.architecture, path.name, int(raw.get("num_local_experts") or 0))
-        return config, tokenizer, GGUFWeights(gguf, arch, config.num_heads, config.num_kv_heads)
+        return config, tokenizer, GGUFWeights(gguf, arch, config.num_heads, config.num_kv_heads,
+                                                 config.num_layers)
     except BaseException:
         gguf.close()  # a refused file's map is released now, not when the traceback goes
         raise

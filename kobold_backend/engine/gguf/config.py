@@ -50,9 +50,12 @@ ARCHITECTURES: Dict[str, GGUFArchitecture] = {
     "glm4moe": GGUFArchitecture("glm4_moe", "Glm4MoeForCausalLM", permuted_qk=False),
     # Mistral Small 3.x: the converter writes the text model alone, in llama's layout
     "mistral3": GGUFArchitecture("mistral", "MistralForCausalLM", permuted_qk=True),
+    # the converter stores the zero-centred norms as 1 + weight (not linear attention's gated norm, see weights.py)
+    "qwen35": GGUFArchitecture("qwen3_5_text", "Qwen3_5ForCausalLM", permuted_qk=False, norm_shift=-1.0),
+    "qwen35moe": GGUFArchitecture("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", permuted_qk=False, norm_shift=-1.0),
 }
 # families whose partial rotary embedding (rope.dimension_count < head size) is read as partial_rotary_factor
-_PARTIAL_ROPE = ("glm4", "glm4_moe")
+_PARTIAL_ROPE = ("glm4", "glm4_moe", "qwen3_5_text", "qwen3_5_moe_text")
 MIXTRAL = GGUFArchitecture("mixtral", "MixtralForCausalLM", permuted_qk=True)
 # Layer counts of the Gemma 27B models, whose q·k scale llama.cpp takes from hidden / heads.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -84,7 +87,7 @@ def hf_config(meta: Dict[str, Any], tensor_names: List[str], where: str,
 
     hidden = int(key("embedding_length", required=True))
     ffn = key("feed_forward_length")
-    if ffn is None and desc.model_type == "qwen3_moe":  # every layer routed: the expert size stands in
+    if ffn is None and desc.model_type in ("qwen3_moe", "qwen3_5_moe_text"):  # all routed: the expert size
         ffn = key("expert_feed_forward_length")
     if ffn is None:
         raise ModelFormatError(f"{where}: GGUF metadata lacks {arch}.feed_forward_length.")
@@ -104,12 +107,15 @@ def hf_config(meta: Dict[str, Any], tensor_names: List[str], where: str,
         raise ModelFormatError(f"{where}: attention temperature scaling (Ministral 3's llama_4_scaling) is not "
                                "supported.")
     tokens = meta.get("tokenizer.ggml.tokens") or []
+    nextn = int(key("nextn_predict_layers") or 0)
     config: Dict[str, Any] = {
         "model_type": desc.model_type,
         "architectures": [desc.hf_architecture],
         "hidden_size": hidden,
         "intermediate_size": int(ffn),
-        "num_hidden_layers": int(key("block_count", required=True)),
+        # without the multi-token-prediction layers a converter appends (GLM-4.5, Qwen3.5): inference does not run them
+        "num_hidden_layers": int(key("block_count", required=True)) - nextn,
+        "num_nextn_predict_layers": nextn,
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
         "head_dim": head_dim,
@@ -215,14 +221,11 @@ def _cohere(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
 
 def _glm4(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
     """q/k/v biases when the file has them; GLM-4.5's experts, shared experts, dense leading layers and routing,
-    and its next-token-prediction layers (counted in block_count, not run)."""
+    (its next-token-prediction layers are dropped by hf_config)."""
     config["attention_bias"] = "blk.0.attn_q.bias" in names
     if arch != "glm4moe":
         return
     config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
-    nextn = int(key("nextn_predict_layers") or 0)
-    config["num_nextn_predict_layers"] = nextn
-    config["num_hidden_layers"] -= nextn
     config["n_routed_experts"] = int(key("expert_count", required=True))
     config["num_experts_per_tok"] = int(key("expert_used_count", required=True))
     config["moe_intermediate_size"] = int(key("expert_feed_forward_length", required=True))
@@ -295,10 +298,27 @@ def _deepseek(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
         config["rope_scaling"].update(mscale=float(log_mul) / 0.1, mscale_all_dim=float(log_mul) / 0.1)
 
 
+def _qwen35(config: Dict[str, Any], key: Any, names: Any, arch: str) -> None:
+    """Qwen3.5's linear-attention sizes (llama.cpp's ssm.* keys), its layer pattern and partial RoPE; the value
+    heads are stored tiled (see engine/architectures/qwen3_5.py); the MoE's expert and shared-expert sizes."""
+    groups, heads = int(key("ssm.group_count")), int(key("ssm.time_step_rank"))
+    config.update(linear_conv_kernel_dim=int(key("ssm.conv_kernel")), linear_key_head_dim=int(key("ssm.state_size")),
+                  linear_num_key_heads=groups, linear_num_value_heads=heads,
+                  linear_value_head_dim=int(key("ssm.inner_size")) // heads,
+                  full_attention_interval=int(key("full_attention_interval", 4)),
+                  partial_rotary_factor=int(key("rope.dimension_count")) / config["head_dim"],
+                  linear_value_head_order="tiled")
+    if arch == "qwen35moe":
+        config.update(num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
+                      moe_intermediate_size=int(key("expert_feed_forward_length")),
+                      shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length")))
+
+
 _FAMILY: Dict[str, Callable[..., None]] = {
     "gemma2": _gemma, "gemma3_text": _gemma, "phi3": _phi3, "mixtral": _experts, "qwen3_moe": _experts,
     "gpt_oss": _gpt_oss, "deepseek_v2": _deepseek,
     "cohere": _cohere, "cohere2": _cohere, "glm4": _glm4, "glm4_moe": _glm4,
+    "qwen3_5_text": _qwen35, "qwen3_5_moe_text": _qwen35,
 }
 
 

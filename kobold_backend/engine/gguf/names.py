@@ -70,6 +70,18 @@ _BLOCKS: Dict[str, Dict[str, str]] = {
     "gpt_oss": _GPT_OSS, "deepseek_v2": _DEEPSEEK, "deepseek_v3": _DEEPSEEK,
     "cohere": _DENSE_MLP, "cohere2": _DENSE_MLP, "glm4": _GLM4, "glm4_moe": _GLM4_MOE,
 }
+# Qwen3.5: linear attention's projections, conv and gated norm; the norm after attention is `post_attention_norm`
+_QWEN35: Dict[str, str] = {
+    "post_attention_norm": "post_attention_layernorm", "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z", "ssm_alpha": "linear_attn.in_proj_a", "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
+}
+_BLOCKS.update({
+    "qwen3_5_text": dict(_QWEN35, ffn_gate="mlp.gate_proj", ffn_up="mlp.up_proj", ffn_down="mlp.down_proj"),
+    "qwen3_5_moe_text": dict(_QWEN35, ffn_gate_inp_shexp="mlp.shared_expert_gate",
+                             ffn_gate_shexp="mlp.shared_expert.gate_proj", ffn_up_shexp="mlp.shared_expert.up_proj",
+                             ffn_down_shexp="mlp.shared_expert.down_proj"),
+})
 _EXPERTS: Dict[str, Tuple[str, Tuple[str, str, str]]] = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
@@ -79,17 +91,23 @@ _EXPERTS: Dict[str, Tuple[str, Tuple[str, str, str]]] = {
     "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_5_moe_text": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 _ROUTERS: Dict[str, str] = {"gpt_oss": "mlp.router"}
-# Hugging Face tensors without a .weight/.bias suffix -> their GGUF role and suffix
-_BARE: Dict[str, Tuple[str, str]] = {
-    "self_attn.sinks": ("attn_sinks", "weight"),
-    "mlp.gate.e_score_correction_bias": ("exp_probs_b", "bias"),
+# Hugging Face tensors without a .weight/.bias suffix -> the GGUF tensor under `blk.N.` (Qwen3.5's converter stores
+# -exp(A_log) as ssm_a, itself without a suffix; weights.py takes the log back)
+_BARE: Dict[str, str] = {
+    "self_attn.sinks": "attn_sinks.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.dt_bias": "ssm_dt.bias",
 }
+_GGUF_BARE = {gg: hf for hf, gg in _BARE.items()}
 _EXPERT_ROLES = ("ffn_gate", "ffn_up", "ffn_down")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _BLK = re.compile(r"blk\.(\d+)\.([a-z_]+)(?:\.(\d+))?\.(weight|bias)$")
 _BARE_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
+_BLK_BARE = re.compile(r"blk\.(\d+)\.(.+)$")
 
 
 class TensorNames:
@@ -109,8 +127,7 @@ class TensorNames:
         An expert resolves to the stacked `*_exps` tensor unless `present` holds the per-expert one instead."""
         bare = _BARE_LAYER.match(hf_name)
         if bare is not None and bare.group(2) in _BARE:
-            role, suffix = _BARE[bare.group(2)]
-            return f"blk.{bare.group(1)}.{role}.{suffix}", None
+            return f"blk.{bare.group(1)}.{_BARE[bare.group(2)]}", None
         m = _LAYER.match(hf_name)
         if m is None:
             stem, _, suffix = hf_name.rpartition(".")
@@ -133,14 +150,14 @@ class TensorNames:
         if gguf_tensor.count(".") == 1:
             stem, _, suffix = gguf_tensor.partition(".")
             return [f"{_GLOBAL[stem]}.{suffix}"] if stem in _GLOBAL else []
+        bare = _BLK_BARE.match(gguf_tensor)
+        if bare is not None and bare.group(2) in _GGUF_BARE:
+            return [f"model.layers.{bare.group(1)}.{_GGUF_BARE[bare.group(2)]}"]
         m = _BLK.match(gguf_tensor)
         if m is None:
             return []
         layer, role, index, suffix = m.groups()
         prefix = f"model.layers.{layer}"
-        for stem, (bare_role, bare_suffix) in _BARE.items():
-            if index is None and (role, suffix) == (bare_role, bare_suffix):
-                return [f"{prefix}.{stem}"]
         if index is None and role in self._block:
             return [f"{prefix}.{self._block[role]}.{suffix}"]
         if self._experts is None:

@@ -26,7 +26,8 @@ _DENSE_TYPES = ("F32", "F16", "BF16")
 class GGUFWeights:
     """Name -> tensor access for one GGUF file; tensors are read on request and never cached."""
 
-    def __init__(self, gguf: GGUFFile, arch: GGUFArchitecture, num_heads: int, num_kv_heads: int) -> None:
+    def __init__(self, gguf: GGUFFile, arch: GGUFArchitecture, num_heads: int, num_kv_heads: int,
+                 num_layers: Optional[int] = None) -> None:
         self.gguf = gguf
         self.folder: Path = gguf.path
         self.total_bytes = gguf.path.stat().st_size
@@ -34,6 +35,7 @@ class GGUFWeights:
         self._names = TensorNames(arch.model_type)
         self._present = set(gguf.names())
         self._heads = {"self_attn.q_proj": num_heads, "self_attn.k_proj": num_kv_heads}
+        self._layers = num_layers  # layers past it (multi-token prediction) are not read
 
     def close(self) -> None:
         self.gguf.close()
@@ -55,12 +57,18 @@ class GGUFWeights:
         out: List[str] = []
         for g in self.gguf.names():
             experts = self.gguf.shape(g)[0] if "_exps." in g else 0
-            out.extend(self._names.hf(g, experts))
+            out.extend(n for n in self._names.hf(g, experts) if self._in_stack(n))
         return out
+
+    def _in_stack(self, name: str) -> bool:
+        parts = name.split(".")
+        return self._layers is None or parts[:2] != ["model", "layers"] or int(parts[2]) < self._layers
 
     def shape(self, name: str) -> Tuple[int, ...]:
         gname, expert = self._gguf(name)
         dims = self.gguf.shape(gname)
+        if name.endswith("linear_attn.conv1d.weight") and len(dims) == 2:  # the converter squeezed [C, 1, K]
+            return (dims[0], 1, dims[1])
         return dims if expert is None else dims[1:]
 
     def get_shape_checked(self, name: str, shape: Sequence[int]) -> None:
@@ -81,8 +89,11 @@ class GGUFWeights:
             out = rows.view(torch.bfloat16)
         else:
             out = dequantize_rows(rows, kind, dims[-1])
-        if self._arch.norm_shift and name.endswith("norm.weight"):
+        # linear attention's gated norm multiplies by its weight itself: stored as it is
+        if self._arch.norm_shift and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
             out = out.float() + self._arch.norm_shift
+        if name.endswith("linear_attn.A_log"):  # stored as ssm_a = -exp(A_log)
+            out = torch.log(-out.float())
         return out.reshape(dims)
 
     def linear(self, prefix: str, k: int, n: int, device: torch.device,

@@ -40,10 +40,13 @@ class LoraAdapter:
 
 
 def projection_dims(config: Any) -> Dict[str, Tuple[int, int]]:
-    """(in_features, out_features) of each projection, from the model config (weights may be fused at load)."""
+    """(in_features, out_features) of each projection, from the model config (weights may be fused at load); an
+    output-gated attention's q_proj yields the gate too."""
     h, i = int(config.hidden_size), int(config.intermediate_size)
     q, kv = int(config.num_heads * config.head_dim), int(config.num_kv_heads * config.head_dim)
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+    features = getattr(config, "features", None)
+    q_out = 2 * q if features is not None and features.attn_output_gate else q
+    return {"q_proj": (h, q_out), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
@@ -109,6 +112,9 @@ def load_lora(folder: Path, model: Any) -> LoraAdapter:
                                           f"LoRA to (supported: {', '.join(list(PROJECTIONS) + list(FUSED))})")
                 if layer >= num_layers:
                     raise LoraFormatError(f"tensor {key} is for layer {layer} but the model has {num_layers} layers")
+                if block == "self_attn" and model.layers[layer].mixer is not None:
+                    raise LoraFormatError(f"tensor {key} targets the attention of layer {layer}, whose token mixer "
+                                          "(linear attention) takes no LoRA; only its MLP can be adapted")
                 pieces.setdefault((layer, proj), {})[which] = f.get_tensor(key)
     except LoraFormatError:
         raise
