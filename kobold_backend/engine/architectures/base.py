@@ -244,10 +244,10 @@ def lookup(model_type: Any, class_names: Any, where: str) -> Architecture:
     """The description for a config's `model_type`; its `architectures` must name classes of the same family."""
     arch = _REGISTRY.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
-        raise ModelFormatError(
-            f"{where}: model_type {model_type!r} is not supported; this engine runs "
-            f"{', '.join(supported_model_types())}."
-        )
+        names = supported_model_types()  # a multimodal family's *_text alias goes unnamed beside its own name
+        listed = [n for n in names if not (n.endswith("_text") and n[: -len("_text")] in names)]
+        raise ModelFormatError(f"{where}: model_type {model_type!r} is not supported; this engine runs "
+                               f"{', '.join(listed)}.")
     for name in class_names or []:
         if name not in arch.class_names:
             raise ModelFormatError(
