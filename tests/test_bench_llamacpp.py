@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -253,11 +252,12 @@ def test_variant_label_names_the_file_or_the_cache() -> None:
 
 
 @pytest.mark.skipif(not os.environ.get("LLAMA_BENCH"), reason="LLAMA_BENCH (a real llama-bench binary) is not set")
-def test_real_llama_bench_loads_the_synthetic_file(tmp_path: Path) -> None:
-    """llama.cpp itself reads the bench's file: a few decode tokens on its CPU backend."""
-    path = write_synthetic_gguf(tmp_path / "m.gguf", TINY)
-    args = ["-m", str(path), "-p", "0", "-n", "8", "-r", "1", "-o", "json", "-t", "2"]
-    done = subprocess.run([os.environ["LLAMA_BENCH"], *args], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    (record,) = json.loads(done.stdout)
-    assert record["n_gen"] == 8 and record["avg_ts"] > 0
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_real_llama_bench_loads_the_synthetic_file(tmp_path: Path, recipe: str) -> None:
+    """llama.cpp itself reads the bench's files: a short prompt and a few decode tokens after a filled q8_0 cache,
+    with the arguments bench_args gives (on a CPU build -ngl is ignored)."""
+    path = write_synthetic_gguf(tmp_path / "m.gguf", TINY, recipe=recipe)
+    records = run_llama_bench(os.environ["LLAMA_BENCH"], bench_args(str(path), "q8", depths=(32,), decode_steps=8,
+                                                                    repetitions=1) + ["-t", "2"])
+    assert [(r["n_gen"], r["n_depth"], r["type_k"], r["type_v"]) for r in records] == [(8, 32, "q8_0", "q8_0")]
+    assert records[0]["avg_ts"] > 0
