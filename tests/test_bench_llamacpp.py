@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from kobold_backend.bench.llamacpp import (
 from kobold_backend.cli.main import main
 from kobold_backend.errors import ModelFormatError
 from tests.test_cli_flags import loads  # noqa: F401  (the fixture: records model loads instead of running them)
+from tests.test_server_cli import REPO
 
 TINY = Shape(256, 512, 2, 4, 2, 300)
 
@@ -253,11 +255,50 @@ def test_variant_label_names_the_file_or_the_cache() -> None:
 
 
 @pytest.mark.skipif(not os.environ.get("LLAMA_BENCH"), reason="LLAMA_BENCH (a real llama-bench binary) is not set")
-def test_real_llama_bench_loads_the_synthetic_file(tmp_path: Path) -> None:
-    """llama.cpp itself reads the bench's file: a few decode tokens on its CPU backend."""
-    path = write_synthetic_gguf(tmp_path / "m.gguf", TINY)
-    args = ["-m", str(path), "-p", "0", "-n", "8", "-r", "1", "-o", "json", "-t", "2"]
-    done = subprocess.run([os.environ["LLAMA_BENCH"], *args], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    (record,) = json.loads(done.stdout)
-    assert record["n_gen"] == 8 and record["avg_ts"] > 0
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_real_llama_bench_loads_the_synthetic_file(tmp_path: Path, recipe: str) -> None:
+    """llama.cpp itself reads the bench's files: a short prompt and a few decode tokens after a filled q8_0 cache,
+    with the arguments bench_args gives (on a CPU build -ngl is ignored)."""
+    path = write_synthetic_gguf(tmp_path / "m.gguf", TINY, recipe=recipe)
+    records = run_llama_bench(os.environ["LLAMA_BENCH"], bench_args(str(path), "q8", depths=(32,), decode_steps=8,
+                                                                    repetitions=1) + ["-t", "2"])
+    assert [(r["n_gen"], r["n_depth"], r["type_k"], r["type_v"]) for r in records] == [(8, 32, "q8_0", "q8_0")]
+    assert records[0]["avg_ts"] > 0
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("cc") is None, reason="needs cmake and a C compiler")
+def test_device_script_builds_in_the_background_and_records_the_build(tmp_path: Path) -> None:
+    """tools/device_llamacpp.sh `build` then `wait` on a stand-in source tarball (a C project with a llama-bench
+    target): the binary, and beside it the commit and the CMake flags; a second `build` does nothing; a broken
+    tree ends `wait` with the build log's tail."""
+    def tarball(name: str, cmakelists: str) -> Path:
+        src = tmp_path / name / "llama.cpp"
+        src.mkdir(parents=True)
+        (src / "CMakeLists.txt").write_text(cmakelists)
+        (src / "m.c").write_text("int main(void) { return 0; }\n")
+        (src / "LLAMACPP_COMMIT").write_text("0c1e57098bba43ac29e6e3b677cdceebdd22334f\n")
+        out = tmp_path / f"{name}.tar.gz"
+        subprocess.run(["tar", "czf", str(out), "-C", str(src.parent), "llama.cpp"], check=True)
+        return out
+
+    def script(command: str, source: Path, where: Path) -> subprocess.CompletedProcess:
+        env = dict(os.environ, LLAMACPP_DIR=str(where), LLAMACPP_TARBALL=os.path.relpath(source, REPO),
+                   OUT=str(tmp_path / "out"), WAIT="120")
+        return subprocess.run(["bash", "tools/device_llamacpp.sh", command], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=180)
+
+    good = tarball("good", "cmake_minimum_required(VERSION 3.14)\nproject(x C)\n"
+                           "set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\n"
+                           "add_executable(llama-bench m.c)\n")
+    where = tmp_path / "lc"
+    assert "build started" in script("build", good, where).stdout
+    done = script("wait", good, where)
+    assert done.returncode == 0 and "llama-bench ready" in done.stdout, done.stdout + done.stderr
+    info = json.loads((where / "build/bin/llama-bench.build.json").read_text())
+    assert info["commit"] == "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
+    assert "-DGGML_CUDA=ON" in info["cmake_flags"] and "-DCMAKE_CUDA_ARCHITECTURES=90" in info["cmake_flags"]
+    assert "already built" in script("build", good, where).stdout
+    bad = tarball("bad", "message(FATAL_ERROR broken-on-purpose)\n")
+    script("build", bad, tmp_path / "lc-bad")
+    failed = script("wait", bad, tmp_path / "lc-bad")
+    assert failed.returncode == 1 and "build failed (rc 1)" in failed.stdout and "broken-on-purpose" in failed.stdout
