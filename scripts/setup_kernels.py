@@ -48,24 +48,25 @@ def say(message: str) -> None:
     sys.stderr.flush()
 
 
-def sources_digest() -> str:
-    """The digest tools/build_wheels.py records per wheel (`sources`): csrc/ and build.py of this checkout."""
-    return _load("kb_build_wheels", ROOT / "tools" / "build_wheels.py").sources_digest()
+def sources_digest(kind: str) -> str:
+    """The digest tools/build_wheels.py records per wheel (`sources`) for a module kind, from this checkout."""
+    return build.sources_digest(kind, ROOT / "csrc")
 
 
-def decide(env: Dict[str, Any], entries: Any, cxx: Optional[str], nvcc: Optional[str], digest: str
-           ) -> Tuple[str, str]:
+def decide(env: Dict[str, Any], entries: Any, cxx: Optional[str], nvcc: Optional[str],
+           digests: Dict[str, str]) -> Tuple[str, str]:
     """("wheel" | "source" | "none", why) for a probed environment; `nvcc` only when the CUDA module is wanted."""
     decision = wheels.select(env, entries)
     entry = decision.entry
     if entry is not None:
-        if entry.get("sources") == digest:
+        if entry.get("sources") == digests["cuda" if entry.get("cuda") else "cpu"]:
             return "wheel", ""
         stale = (f"the kernel wheel for this environment, {entry['wheel']}, was built from other sources than this "
                  "checkout's csrc/ and build.py")
-        if cxx and (nvcc or not entry.get("cuda")):
+        if cxx:
             return "source", f"{stale}, so the kernels are compiled here with {cxx}"
-        return "wheel", f"{stale}; it is installed anyway, since nothing here can compile the kernels"
+        return "none", (f"{stale} (the loader would refuse it) and there is no C++ compiler to build the kernels: "
+                        f"{COMPILER_HINT}, or restore csrc/ to the committed sources, then run setup again.")
     where = f"Python {env.get('python')} on {env.get('platform')}"
     reasons = "; ".join(decision.reasons) or "no entry matches"
     if cxx:
@@ -138,7 +139,8 @@ def main(argv: Optional[list] = None) -> int:
         index_path = wheels.default_index_path()
         entries = wheels.load_index(index_path)["entries"] if index_path.is_file() else []
         with_cuda, nvcc = build_wanted()
-        path, why = decide(env, entries, build.find_cxx(), nvcc if with_cuda else None, sources_digest())
+        path, why = decide(env, entries, build.find_cxx(), nvcc if with_cuda else None,
+                           {kind: sources_digest(kind) for kind in ("cpu", "cuda")})
         if path == "none":
             say(why)
             return 1

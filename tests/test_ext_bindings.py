@@ -91,7 +91,6 @@ def test_cuda_wrappers_name_every_argument_of_their_kernel(monkeypatch: pytest.M
     """Every CudaKernels op reaches its kernel with the binding's arguments (run on CPU fp16 tensors with the
     stream and workspace stubbed, since no GPU is needed to check the marshalling)."""
     module = Recorder(CUDA_SIGNATURES)
-    module.ggml_q8_repacked, module.ggml_q8_max_rows = True, 8  # the attributes module_cuda.cpp declares
     k = CudaKernels(module)
     monkeypatch.setattr(k, "_stream", lambda device: 77)
     monkeypatch.setattr(k, "_workspace", lambda device, stream: (1, 2, 3, 4))
@@ -196,21 +195,17 @@ def test_cpu_wrappers_name_every_argument_of_their_kernel() -> None:
 
 def test_cuda_ggml_rows_and_re_laid_out_weights_reach_the_integer_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Q8_0 weight re-laid out (ops/ggml.py repack) goes to ggml_gemv_q8 as type 8 | 0x100 with its padded row
-    bytes, for up to 8 rows; a module without `ggml_q8_max_rows` (built before it) gets at most 4 rows."""
+    bytes, for up to 8 rows; 9 rows go through dequantization in the file's layout."""
     from kobold_backend.ops.ggml import repack
 
     half = torch.float16
     module = Recorder(CUDA_SIGNATURES)
-    module.ggml_q8_repacked, module.ggml_q8_max_rows = True, 8
     k = CudaKernels(module)
     monkeypatch.setattr(k, "_stream", lambda device: 77)
     monkeypatch.setattr(k, "ggml_kernel", "q8-pdl")
     gw = repack(GGMLWeight(torch.zeros(32, row_bytes("Q8_0", 96), dtype=torch.uint8), "Q8_0", 96, 32))
-    k.ggml_matmul(random((6, 96), half, seed=0), gw)
+    k.ggml_matmul(random((8, 96), half, seed=0), gw)
     q8 = module.calls["ggml_gemv_q8"]
-    assert (q8["type"], q8["row_bytes"], q8["rows"]) == (0x108, 112, 6) and "ggml_dequantize" not in module.calls
-    old = Recorder(CUDA_SIGNATURES)
-    old.ggml_q8_repacked = True
-    k.module = old
-    k.ggml_matmul(random((6, 96), half, seed=0), gw)
-    assert "ggml_gemv_q8" not in old.calls and old.calls["ggml_dequantize"]["type"] == 8  # the file's layout
+    assert (q8["type"], q8["row_bytes"], q8["rows"]) == (0x108, 112, 8) and "ggml_dequantize" not in module.calls
+    k.ggml_matmul(random((9, 96), half, seed=0), gw)
+    assert module.calls["ggml_dequantize"]["type"] == 8  # the file's layout

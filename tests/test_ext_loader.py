@@ -4,6 +4,7 @@ CUDA compile check (skipped without nvcc)."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -61,6 +62,7 @@ def test_jit_path_builds_into_the_cache_and_runs(jit_file: Path, jit_cache: Path
     module = native._import_file("cpu", jit_file)
     fp = module.fingerprint()
     assert fp["version"] == kobold_backend.__version__ and fp["kind"] == "cpu"
+    assert fp["sources"] == build.sources_digest("cpu")
     x = torch.randn(2, 33)
     y = native.CpuKernels(module).rms_norm(x, torch.ones(33), 1e-5)
     torch.testing.assert_close(y, ops.reference.rms_norm(x, torch.ones(33), 1e-5))
@@ -90,6 +92,33 @@ def test_prebuilt_path_imports_the_installed_module(jit_file: Path, tmp_path: Pa
                           cwd=str(Path(kobold_backend.__file__).parents[1]))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["prebuilt", str(tmp_path / jit_file.name)]
+
+
+def test_a_stale_module_in_the_package_gives_way_to_the_jit_build(jit_file: Path, jit_cache: Path,
+                                                                   tmp_path: Path) -> None:
+    """Issue 34: a module built from other sources is refused before it is imported (a process keeps the first
+    extension module of a name, so an imported stale one would shadow the JIT build), and auto mode then loads the
+    JIT build in the same process."""
+    digest = build.sources_digest("cpu").encode()
+    data = jit_file.read_bytes()
+    assert data.count(digest) == 1
+    (tmp_path / jit_file.name).write_bytes(data.replace(digest, b"0" * len(digest)))
+    script = (
+        "import sys, kobold_backend\n"
+        f"kobold_backend.__path__.insert(0, {str(tmp_path)!r})\n"
+        "from kobold_backend.ops import native\n"
+        "r = native.load('cpu', mode='auto')\n"
+        "print(r.path, r.file)\n"
+        "print(r.problems[0])\n"
+    )
+    env = dict(os.environ, **{native.ENV_CACHE: str(jit_cache)})
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=str(Path(kobold_backend.__file__).parents[1]))
+    assert proc.returncode == 0, proc.stderr
+    first, problem = proc.stdout.splitlines()
+    assert first == f"jit {jit_file}"
+    assert problem.startswith(f"The prebuilt CPU kernel module {tmp_path / jit_file.name} was built from other "
+                              "kernel sources (unknown)") and "kobold-backend install-ext" in problem
 
 
 def test_torch_path_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,6 +176,49 @@ def test_mismatched_fingerprint_auto_logs_and_falls_back(monkeypatch: pytest.Mon
     assert "JIT disabled by the test" in result.reason
 
 
+@pytest.mark.parametrize("origin, fix", [("prebuilt", "kobold-backend install-ext"), ("JIT-built", "to rebuild it")])
+def test_a_module_built_from_other_sources_is_refused(origin: str, fix: str) -> None:
+    """The fingerprint's `sources` digest must be this package's (issue 34): a stale wheel or an old JIT build is
+    refused in one sentence naming the fix, not probed for what it can do."""
+    fp = {"kind": "cpu", "version": kobold_backend.__version__, "sources": "0123456789abcdef" * 4,
+          "cuda_version": None, "archs": []}
+    with pytest.raises(ExtensionError) as info:
+        native.check_fingerprint(fp, "cpu", origin, "/x.so")
+    message = str(info.value)
+    assert "built from other kernel sources (0123456789ab)" in message and fix in message and "\n" not in message
+    assert build.sources_digest("cpu")[:12] in message
+    with pytest.raises(ExtensionError, match="other kernel sources"):
+        native.check_fingerprint(dict(CUDA_FP, sources="unknown"), "cuda", origin, "/x.so", 13000, [])
+    native.check_fingerprint(dict(fp, sources=build.sources_digest("cpu")), "cpu", origin, "/x.so")
+
+
+def test_stale_prebuilt_module_falls_back_in_auto_mode(monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    fake = _fake_module({"kind": "cpu", "version": kobold_backend.__version__, "sources": "stale",
+                         "cuda_version": None, "archs": []})
+    monkeypatch.setitem(sys.modules, CPU_NAME, fake)
+    monkeypatch.setattr(native, "jit_unavailable_reason", lambda kind: "JIT disabled by the test")
+    with caplog.at_level(logging.WARNING, logger="kobold_backend.ops.native"):
+        result = native.load("cpu", mode="auto")
+    assert result.path == "torch" and "other kernel sources" in result.reason
+
+
+def test_digest_per_module_kind(tmp_path: Path) -> None:
+    """A CUDA-only change leaves the CPU digest (and so the CPU wheels) current; a shared header or a CPU source
+    changes both; the digest does not depend on where the sources are."""
+    src = tmp_path / "csrc"
+    shutil.copytree(build.source_dir(), src)
+    cpu, cuda = build.sources_digest("cpu", src), build.sources_digest("cuda", src)
+    assert (cpu, cuda) == (build.sources_digest("cpu"), build.sources_digest("cuda")) and cpu != cuda
+    (src / "cuda" / "norm.cu").write_text((src / "cuda" / "norm.cu").read_text() + "\n// edited\n")
+    assert build.sources_digest("cpu", src) == cpu and build.sources_digest("cuda", src) != cuda
+    cuda2 = build.sources_digest("cuda", src)
+    (src / "include" / "kb_common.h").write_text((src / "include" / "kb_common.h").read_text() + "\n")
+    assert build.sources_digest("cpu", src) != cpu and build.sources_digest("cuda", src) != cuda2
+    with pytest.raises(ValueError):
+        build.sources_digest("rocm", src)
+
+
 def test_module_that_fails_to_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / f"_ext_cpu{build.ext_suffix()}").write_bytes(b"not an ELF file")
     monkeypatch.setattr(kobold_backend, "__path__", [str(tmp_path)] + list(kobold_backend.__path__))
@@ -188,8 +260,8 @@ def test_cuda_slot_without_a_gpu_uses_torch() -> None:
 # ---------------------------------------------------------------------------------------------- CUDA checks
 
 
-CUDA_FP = {"kind": "cuda", "version": kobold_backend.__version__, "cuda_version": "13.0",
-           "archs": ["80", "86", "89", "90+PTX"]}
+CUDA_FP = {"kind": "cuda", "version": kobold_backend.__version__, "sources": build.sources_digest("cuda"),
+           "cuda_version": "13.0", "archs": ["80", "86", "89", "90+PTX"]}
 
 
 def test_cuda_fingerprint_accepts_a_matching_driver_and_gpu() -> None:
@@ -251,7 +323,8 @@ def test_doctor_says_where_a_prebuilt_module_comes_from(package: str, origin: st
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 16: "CPU kernels: prebuilt" beside "Prebuilt wheel installed: none" read as a contradiction; the
     kernel line now says whether the module is part of the package or came from the wheel."""
-    fake = _fake_module({"kind": "cpu", "version": kobold_backend.__version__, "cuda_version": None, "archs": []})
+    fake = _fake_module({"kind": "cpu", "version": kobold_backend.__version__, "sources": build.sources_digest("cpu"),
+                         "cuda_version": None, "archs": []})
     fake.__name__ = f"{package}._ext_cpu"
     if package == "kobold_backend":
         monkeypatch.setitem(sys.modules, CPU_NAME, fake)

@@ -156,25 +156,30 @@ def load_script(path: Path) -> Any:
 
 
 def test_setup_prefers_a_wheel_built_from_these_sources(monkeypatch: pytest.MonkeyPatch) -> None:
-    """scripts/setup_kernels.py: a wheel of this checkout's sources wins; one of other sources loses to a compiler
-    but beats having none; no wheel means compiling, or one sentence when there is no compiler either."""
+    """scripts/setup_kernels.py: a wheel of this checkout's sources (for its kind: a CUDA-only change leaves the CPU
+    wheel current) wins; one of other sources loses to a compiler and is refused without one (the loader would refuse
+    it too); no wheel means compiling, or one sentence when there is no compiler either."""
     kernels = load_script(ROOT / "scripts" / "setup_kernels.py")
     env = dict(wheels.probe_here(), torch_cuda=None, torch_hip=None)
     cpu = [e for e in wheels.load_index(wheels.default_index_path())["entries"]
            if e["python"] == HERE and e["variant"] == "cpu"]
     if not cpu:
         pytest.skip(f"no CPU wheel for Python {HERE}")
+    these = {"cpu": "these", "cuda": "these-cuda"}
+    edited = {"cpu": "edited", "cuda": "these-cuda"}
     entries = [dict(cpu[0], sources="these")]
-    assert kernels.decide(env, entries, None, None, "these") == ("wheel", "")
-    assert kernels.decide(env, entries, "/usr/bin/g++", None, "these") == ("wheel", "")
-    path, why = kernels.decide(env, entries, "/usr/bin/g++", None, "edited")
+    assert kernels.decide(env, entries, None, None, these) == ("wheel", "")
+    assert kernels.decide(env, entries, "/usr/bin/g++", None, these) == ("wheel", "")
+    assert kernels.decide(env, entries, "/usr/bin/g++", None, {"cpu": "these", "cuda": "edited"}) == ("wheel", ""), \
+        "a CUDA-only change leaves the CPU wheel current"
+    path, why = kernels.decide(env, entries, "/usr/bin/g++", None, edited)
     assert path == "source" and "built from other sources" in why and why.endswith("compiled here with /usr/bin/g++")
-    path, why = kernels.decide(env, entries, None, None, "edited")
-    assert path == "wheel" and "installed anyway" in why
-    path, why = kernels.decide(env, [], "/usr/bin/g++", None, "these")
+    path, why = kernels.decide(env, entries, None, None, edited)
+    assert path == "none" and "the loader would refuse it" in why and "\n" not in why
+    path, why = kernels.decide(env, [], "/usr/bin/g++", None, these)
     assert path == "source" and "the index has no wheels" in why
     monkeypatch.delenv("CXX", raising=False)
-    path, why = kernels.decide(env, [], None, None, "these")
+    path, why = kernels.decide(env, [], None, None, these)
     assert path == "none" and "no c++, g++ or clang++ is on PATH" in why and "\n" not in why
 
 

@@ -90,8 +90,6 @@ def rows_of(type_name: str, blocks: int) -> int:
 def cpu() -> native.CpuKernels:
     result = native.load("cpu", mode="auto")
     assert result.module is not None, f"the CPU kernels could not be loaded or built: {result.reason}"
-    if not hasattr(result.module, "ggml_gemv"):
-        pytest.skip(f"the loaded CPU module ({result.path}) predates the GGML kernels; rebuild it (JIT or pip)")
     return native.CpuKernels(result.module)
 
 
@@ -232,8 +230,6 @@ def test_bench_gguf_flag_errors_are_one_sentence(tmp_path: Path, monkeypatch: py
 def cuda() -> native.CudaKernels:
     result = native.load("cuda", mode="auto")
     assert result.module is not None, f"the CUDA kernels could not be loaded or built: {result.reason}"
-    assert hasattr(result.module, "ggml_gemv"), f"the CUDA module ({result.path}) predates the GGML kernels"
-    assert hasattr(result.module, "ggml_gemv_q8"), f"the CUDA module ({result.path}) predates the integer GEMV"
     return native.CudaKernels(result.module)
 
 
@@ -419,7 +415,7 @@ def test_cuda_gguf_decode_matches_cpu(plan: str, kernel: str, tmp_path: Path,
     from tests.test_gguf_model import PLANS, SPM_SPEC
 
     kern = native.cuda_kernels()
-    assert kern is not None and hasattr(kern.module, "ggml_gemv_q8")
+    assert kern is not None
     monkeypatch.setattr(kern, "ggml_kernel", kernel)
     tol = 1e-2 if kernel == "classic" else 3e-2
     hf = build_checkpoint(SPM_SPEC, tmp_path / "hf").path

@@ -168,9 +168,8 @@ def test_native_cpu_attention_reads_the_integers_in_place(bits) -> None:
     from kobold_backend.ops import native
 
     kern = native.cpu_kernels()
-    if kern is None or not hasattr(kern.module, "kvq_decode_attention"):
-        pytest.skip("the loaded CPU kernels predate csrc/cpu/kv_quant_cpu.cpp (rebuild the wheels, or "
-                    "KOBOLD_BACKEND_EXT=jit)")
+    if kern is None:
+        pytest.skip("no native CPU kernels are loaded here")
     g = torch.Generator().manual_seed(5)
     b, hq, hkv, s, d, n = 2, 8, 2, 200, 64, 150
     k = torch.randn(b, hkv, s, d, generator=g)

@@ -30,7 +30,7 @@ import kobold_backend
 from kobold_backend import wheels
 from kobold_backend.cli import main as cli
 from kobold_backend.doctor import doctor_report
-from kobold_backend.ops import native
+from kobold_backend.ops import build, native
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / "wheels"
@@ -77,6 +77,22 @@ def test_index_covers_the_matrix_for_this_version() -> None:
     listed = {e["wheel"] for e in ENTRIES}
     assert sorted(p.name for p in WHEELS.glob("*.whl")) == sorted(listed), "wheel files not in the index"
     assert sum(p.stat().st_size for p in WHEELS.iterdir()) <= WHEELS_FOLDER_LIMIT
+
+
+def test_every_wheel_was_built_from_the_landed_sources() -> None:
+    """Issue 34: a kernel change lands with its rebuilt wheels. Each entry's `sources` is the digest of what a wheel
+    of its kind is built from now (csrc/cpu + include for CPU wheels, all of csrc/ for CUDA wheels, with build.py),
+    and each module's fingerprint carries its own kind's digest, which the loader compares at import."""
+    digests = {kind: build.sources_digest(kind) for kind in ("cpu", "cuda")}
+    stale = []
+    for entry in ENTRIES:
+        kind = "cuda" if entry["cuda"] else "cpu"
+        modules = {name: fp.get("sources") for name, fp in entry["modules"].items()}
+        want = {name: digests[fp["kind"]] for name, fp in entry["modules"].items()}
+        if entry["sources"] != digests[kind] or modules != want:
+            stale.append(entry["wheel"])
+    assert not stale, (f"{len(stale)} committed wheels were built from other kernel sources than the landed ones "
+                       f"({', '.join(stale[:3])} ...): rebuild them with tools/build_wheels.py (docs/wheels.md)")
 
 
 def test_no_kernel_needs_hopper_only_instructions() -> None:

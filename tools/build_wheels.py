@@ -139,13 +139,15 @@ def pybind11_shim(spec: str) -> Path:
     return shim
 
 
-def sources_digest() -> str:
-    """sha256 over the kernel sources (csrc/) and build.py (every flag): what a wheel was built from."""
-    h = hashlib.sha256()
-    src = ROOT / "csrc"
-    for path in sorted(p for p in src.rglob("*") if p.is_file()) + [ROOT / "kobold_backend" / "ops" / "build.py"]:
-        h.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
+def entry_kind(entry: Dict[str, Any]) -> str:
+    """The module kind whose sources a wheel's digest covers: "cuda" for a CUDA wheel (csrc/ whole), else "cpu"."""
+    return "cuda" if entry.get("cuda") else "cpu"
+
+
+def sources_digest(kind: str) -> str:
+    """What a wheel of `kind` is built from (build.py's sources_digest): csrc/cpu and csrc/include for the CPU
+    wheels, all of csrc/ for the CUDA wheels, each with build.py."""
+    return kb_build.sources_digest(kind, ROOT / "csrc")
 
 
 def compile_modules(python: Path, kinds: Sequence[str], out: Path, env: Dict[str, str], pybind11: str,
@@ -341,7 +343,6 @@ def build_one(python: Path, cuda_home: Optional[Path], arch: Optional[str], out_
     ARCHS_BY_TOOLKIT); `objects`: a folder keeping the Python-independent kernel objects between calls (the same
     toolkit, archs and toolchain: build.py keys every object by its command line and compiler versions)."""
     version = kb_build.package_version()
-    digest = sources_digest()
     env = dict(os.environ)
     kinds = ["cpu"]
     if cuda_home is not None:
@@ -369,9 +370,11 @@ def build_one(python: Path, cuda_home: Optional[Path], arch: Optional[str], out_
         py = built["python"]
         tag = "cp" + py.replace(".", "")
         fps = built["modules"]
-        for fp in fps.values():
+        for name, fp in fps.items():
             if fp.get("version") != version:
                 raise BuildFailed(f"the module reports version {fp.get('version')}, expected {version}")
+            if fp.get("sources") != sources_digest(fp.get("kind", "")):
+                raise BuildFailed(f"{name} reports sources {fp.get('sources')}, not this checkout's digest")
         if cuda is not None and fps["_ext_cuda"].get("cuda_version") != cuda:
             raise BuildFailed(f"nvcc says CUDA {cuda} but the module reports {fps['_ext_cuda'].get('cuda_version')}")
         for so in staged.glob("_ext_*"):
@@ -406,7 +409,7 @@ def build_one(python: Path, cuda_home: Optional[Path], arch: Optional[str], out_
         "archs": archs,
         "modules": fps,
         "audit": audit,
-        "sources": digest,
+        "sources": sources_digest("cuda" if cuda else "cpu"),
         "pybind11": pybind11,
         "toolchain": toolchain_label(sysroot),
     }
@@ -431,9 +434,10 @@ def record(index_path: Path, entry: Dict[str, Any]) -> None:
 
 def list_matrix(pythons: Sequence[str], homes: Sequence[Optional[Path]], index_path: Path) -> None:
     index = wheels.load_index(index_path) if index_path.is_file() else wheels.empty_index()
-    digest = sources_digest()
-    have = {(e["variant"], e["python"]): e["wheel"] + ("" if e.get("sources") == digest else " (stale: csrc/ or "
-                                                             "build.py changed since)") for e in index["entries"]}
+    digests = {kind: sources_digest(kind) for kind in ("cpu", "cuda")}
+    have = {(e["variant"], e["python"]): e["wheel"] + ("" if e.get("sources") == digests[entry_kind(e)] else
+                                                       " (stale: its sources changed since)")
+            for e in index["entries"]}
     for home in homes:
         if home is None:
             variant, tool = "cpu", kb_build.find_cxx() or "no C++ compiler"

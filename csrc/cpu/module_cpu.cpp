@@ -9,6 +9,11 @@
 #include "kb_common.h"
 #include "ops_cpu.h"
 
+// The digest of the sources this module was built from (build.py passes it; ops/native.py compares it).
+#ifndef KB_SOURCES
+#define KB_SOURCES "unknown"
+#endif
+
 namespace py = pybind11;
 using kb::cpu::AttnArgs;
 using kb::cpu::GemvArgs;
@@ -38,6 +43,7 @@ py::dict fingerprint() {
     py::dict d;
     d["kind"] = "cpu";
     d["version"] = KB_VERSION;
+    d["sources"] = KB_SOURCES;
     d["cuda_version"] = py::none();
     d["archs"] = py::list();
     d["compiler"] = compiler();

@@ -9,6 +9,11 @@
 #include "ops_cuda.h"
 #include "ops_exl2.h"
 
+// The digest of the sources this module was built from (build.py passes it; ops/native.py compares it).
+#ifndef KB_SOURCES
+#define KB_SOURCES "unknown"
+#endif
+
 namespace py = pybind11;
 namespace kc = kb::cuda;
 
@@ -31,6 +36,7 @@ py::dict fingerprint() {
     py::dict d;
     d["kind"] = "cuda";
     d["version"] = KB_VERSION;
+    d["sources"] = KB_SOURCES;
     d["cuda_version"] = std::to_string(info.cuda_version / 1000) + "." + std::to_string(info.cuda_version % 1000 / 10);
     py::list archs;
     size_t start = 0;
@@ -65,8 +71,6 @@ PYBIND11_MODULE(_ext_cuda, m) {
         kc::gptq_gemv(a);
     });
 
-    // decode attention runs csrc/cuda/flash_decode.cu where it fits (a module before it had only attention.cu's)
-    m.attr("flash_decode") = true;
     m.def("gptq_mma", [](std::uintptr_t x, int64_t x_stride, int64_t rows, int64_t k, std::uintptr_t qweight,
                          int64_t n, std::uintptr_t scales, std::uintptr_t zeros, int64_t group_size, int64_t groups,
                          std::uintptr_t bias, std::uintptr_t out, std::uintptr_t partial, int64_t splits, int device,
@@ -199,9 +203,8 @@ PYBIND11_MODULE(_ext_cuda, m) {
         kc::ggml_gemv(a);
     });
 
-    // ggml_gemv_q8 reads Q4_0 / Q8_0 / Q6_K rows re-laid out at load (type id | 0x100, ops/ggml.py repack)
-    m.attr("ggml_q8_repacked") = true;
-    m.attr("ggml_q8_max_rows") = 8;  // activation rows ggml_gemv_q8 takes (a module before it: 4)
+    // ggml_gemv_q8 takes 1..8 rows and reads Q4_0 / Q8_0 / Q6_K rows re-laid out at load (type id | 0x100,
+    // ops/ggml.py repack)
     m.def("ggml_gemv_q8", [](int type, std::uintptr_t w, int64_t row_bytes, int64_t n, int64_t k, std::uintptr_t x,
                              int64_t x_stride, int64_t rows, std::uintptr_t bias, std::uintptr_t out,
                              std::uintptr_t scratch, bool pdl, int device, std::uintptr_t stream) {

@@ -109,7 +109,7 @@ def ggml_place(w: GGMLWeight) -> GGMLWeight:
     """A GGML weight just placed on its device, as that device's kernels read it best (on CUDA: Q4_0, Q8_0 and
     Q6_K re-laid out for the integer GEMV, cuda_kernels.GGML_REPACK); elsewhere `w` itself."""
     k = _kernels(w.data)
-    return w if k is None or not hasattr(k, "ggml_place") else k.ggml_place(w)
+    return w if k is None else k.ggml_place(w)
 
 
 def gptq_dequantize(w: GPTQWeight) -> torch.Tensor:
@@ -167,11 +167,11 @@ def decode_attention_at(
     if _quantized(k_cache, v_cache):
         return kv_quant.decode_attention_at(q, k_cache, v_cache, pos, length, scale, window, softcap, sinks)
     k = _kernels(q)
-    if (k is None or (q.is_cuda and (length < NATIVE_DECODE_FROM or not getattr(k.module, "flash_decode", False)))
+    if (k is None or (q.is_cuda and length < NATIVE_DECODE_FROM)
             or window is not None or softcap is not None or sinks is not None or v_cache.shape[-1] != q.shape[-1]):
-        # Short caches, and modules built before flash_decode.cu (a prebuilt wheel): torch's batched matmuls, which
-        # beat the first native kernel everywhere (8 vs 35 us at 128 positions on the H200). A sliding window's
-        # start depends on the device position, which the torch definition masks on the device.
+        # Short caches: torch's batched matmuls, which beat the first native kernel everywhere (8 vs 35 us at 128
+        # positions on the H200). A sliding window's start depends on the device position, which the torch
+        # definition masks on the device.
         return reference.decode_attention_at(q, k_cache, v_cache, pos, length, scale, window, softcap, sinks)
     return k.decode_attention_at(q, k_cache, v_cache, pos, length, scale)
 

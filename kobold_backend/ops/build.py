@@ -78,6 +78,31 @@ def _headers(src: Path) -> List[Path]:
     return sorted(p for p in src.rglob("*") if p.suffix in (".h", ".cuh"))
 
 
+def digest_inputs(kind: str, src: Optional[Path] = None) -> List[Path]:
+    """The files a module of `kind` is built from: the CPU module from csrc/cpu and csrc/include, the CUDA module
+    from all of csrc/; each with this file (every flag)."""
+    src = src or source_dir()
+    folders = [src / "cpu", src / "include"] if kind == "cpu" else [src]
+    files = {p for folder in folders for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    return sorted(files)
+
+
+def sources_digest(kind: str, src: Optional[Path] = None) -> str:
+    """sha256 over what a module of `kind` ("cpu" or "cuda") is built from (digest_inputs), each file named relative
+    to csrc/ so a source checkout and an installed package (its copy in kobold_backend/_csrc) agree. The modules carry
+    it in their fingerprint (`sources`), wheels/index.json records it per wheel, and the loader refuses a module built
+    from other sources than the installed package's."""
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"kind must be 'cpu' or 'cuda', not {kind!r}")
+    src = src or source_dir()
+    h = hashlib.sha256()
+    for path in digest_inputs(kind, src):
+        name = "csrc/" + path.relative_to(src).as_posix()
+        h.update(name.encode() + b"\0" + path.read_bytes().replace(b"\r\n", b"\n") + b"\0")
+    h.update(b"kobold_backend/ops/build.py\0" + Path(__file__).read_bytes().replace(b"\r\n", b"\n") + b"\0")
+    return h.hexdigest()
+
+
 def find_cxx() -> Optional[str]:
     """The C++ compiler: $CXX, else c++, g++ or clang++ on PATH."""
     env = os.environ.get("CXX", "").strip()
@@ -205,6 +230,11 @@ def _python_flags() -> List[str]:
     return [f"-I{python_include()}", f"-I{pybind11_include()}"]
 
 
+def _sources_define(kind: str) -> str:
+    """The binding's -DKB_SOURCES: the module reports the digest of what it was built from (sources_digest)."""
+    return f'-DKB_SOURCES="{sources_digest(kind)}"'
+
+
 def _shared_flags() -> List[str]:
     return ["-shared", "-undefined", "dynamic_lookup"] if sys.platform == "darwin" else ["-shared"]
 
@@ -265,7 +295,8 @@ def build_cpu(out_path: Path, log: Callable[[str], None] = _progress, objects: O
             steps += kernel_steps
             kernel_objs.append(obj)
         binding_obj = Path(tmp) / (binding.stem + ".o")
-        steps.append((cxx.split() + flags + _python_flags() + ["-c", str(binding), "-o", str(binding_obj)],
+        steps.append((cxx.split() + flags + _python_flags() + [_sources_define("cpu"), "-c", str(binding), "-o",
+                                                                 str(binding_obj)],
                       f"compile {binding.name}"))
         _parallel(steps, log, cwd)
         objs = kernel_objs + [binding_obj]
@@ -300,7 +331,7 @@ def _cuda_compile_steps(src: Path, tmp: Path, archs: Sequence[Tuple[str, bool]],
         objs.append(obj)
     binding = cuda_binding_source(src)
     obj = tmp / (binding.stem + ".o")
-    flags = cxx_flags(src, version) + [f"-I{src / 'cuda'}"] + _python_flags()
+    flags = cxx_flags(src, version) + [f"-I{src / 'cuda'}"] + _python_flags() + [_sources_define("cuda")]
     steps.append((cxx.split() + flags + ["-c", str(binding), "-o", str(obj)], f"compile {binding.name}"))
     objs.append(obj)
     return steps, objs
@@ -351,6 +382,7 @@ def jit_key(kind: str) -> str:
         h.update(f.read_bytes())
     parts: Dict[str, str] = {
         "kind": kind,
+        "sources": sources_digest(kind, src),
         "version": package_version(),
         "python": sys.version,
         "suffix": ext_suffix(),

@@ -188,10 +188,13 @@ class CpuKernels:
                    out=y.data_ptr())
         return y
 
+    def ggml_place(self, w: ggml.GGMLWeight) -> ggml.GGMLWeight:
+        """`w` as the CPU kernels read it: the file's layout, unchanged."""
+        return w
+
     def ggml_dequantize(self, w: ggml.GGMLWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [out_features, in_features] in `dtype`, decoded by the kernel (one rounding per value)."""
-        if (not hasattr(self.module, "ggml_dequantize") or dtype not in DTYPE_CODES
-                or not ggml.kernel_layout_ok(w, w.data.device)):
+        if dtype not in DTYPE_CODES or not ggml.kernel_layout_ok(w, w.data.device):
             return ggml.ggml_dequantize(w).to(dtype)
         y = torch.empty((w.out_features, w.in_features), dtype=dtype)
         self._call("ggml_dequantize", type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(), row_bytes=w.data.shape[1],
@@ -200,7 +203,7 @@ class CpuKernels:
 
     def ggml_matmul(self, x: torch.Tensor, w: ggml.GGMLWeight) -> torch.Tensor:
         """x [M, K] @ w.T (+ bias) in x's dtype: the GEMV for 1..8 rows, else kernel dequantization + one matmul."""
-        if (not hasattr(self.module, "ggml_gemv") or x.dtype not in DTYPE_CODES or x.dim() != 2
+        if (x.dtype not in DTYPE_CODES or x.dim() != 2
                 or x.shape[1] != w.in_features or not ggml.kernel_layout_ok(w, x.device)
                 or (w.bias is not None and w.bias.dtype not in DTYPE_CODES)):
             return ggml.ggml_matmul(x, w)

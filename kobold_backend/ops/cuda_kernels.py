@@ -30,8 +30,7 @@ WS_FLOATS = 1 << 22
 WS_COUNTERS = 1 << 16
 EXL2_GEMV_MAX_ROWS = 4  # rows the EXL2 GEMV takes (csrc/cuda/exl2.cu); more go through dequantize + matmul
 GGML_GEMV_MAX_ROWS = 4  # rows the GGML GEMV takes on CUDA (csrc/cuda/ggml.cu: fewer instances, smaller wheels)
-# Rows the integer GGML GEMV takes (csrc/cuda/ggml_q8.cu: speculative verification's 5..8 too) where the module
-# says so (`ggml_q8_max_rows`; a module built before that takes GGML_GEMV_MAX_ROWS).
+# Rows the integer GGML GEMV takes (csrc/cuda/ggml_q8.cu: speculative verification's 5..8 too).
 GGML_Q8_MAX_ROWS = 8
 # Rows the tensor-core GPTQ product takes (csrc/cuda/gptq_mma.cu) past the GEMV's: a chat turn's new tokens read the
 # packed weights once; longer prompt chunks dequantize once for cuBLAS.
@@ -222,7 +221,7 @@ class CudaKernels:
         """x @ dequantize(w) on the tensor cores reading the packed weights (None where the shape or the loaded
         module does not suit csrc/cuda/gptq_mma.cu: K or N not a multiple of 64, group size not one of 8)."""
         k, n = w.in_features, w.out_features
-        if (not hasattr(self.module, "gptq_mma") or k % 64 or n % 64 or w.group_size % 8
+        if (k % 64 or n % 64 or w.group_size % 8
                 or w.qweight.data_ptr() % 16 or w.scales.data_ptr() % 8 or w.zeros.data_ptr() % 8):
             return None
         dev = x.device
@@ -399,7 +398,7 @@ class CudaKernels:
     def ggml_place(self, w: ggml.GGMLWeight) -> ggml.GGMLWeight:
         """`w` as the GEMV reads it best: Q4_0 / Q8_0 / Q6_K re-laid out for 16-byte loads (ops/ggml.py
         `repack`) when this instance runs the integer GEMV, the module reads that layout and GGML_REPACK is on."""
-        if (GGML_REPACK and self.ggml_kernel != "classic" and getattr(self.module, "ggml_q8_repacked", False)
+        if (GGML_REPACK and self.ggml_kernel != "classic"
                 and w.type_name in ggml.REPACKED and ggml.kernel_layout_ok(w, w.data.device)):
             return ggml.repack(w)
         return w
@@ -408,7 +407,7 @@ class CudaKernels:
         """The weight [out_features, in_features] in fp16, decoded by the kernel (a re-laid-out weight from a
         temporary copy in the file's layout)."""
         w = ggml.unpack(w)
-        if not hasattr(self.module, "ggml_dequantize") or not ggml.kernel_layout_ok(w, w.data.device):
+        if not ggml.kernel_layout_ok(w, w.data.device):
             return ggml.ggml_dequantize(w).half()
         y = torch.empty((w.out_features, w.in_features), dtype=torch.float16, device=w.data.device)
         self._call("ggml_dequantize", w.data.device, type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(),
@@ -419,16 +418,14 @@ class CudaKernels:
         """fp16 x [M, K] @ w.T (+ bias): the GEMV for 1..4 rows (the integer one: 1..8), else kernel
         dequantization + one cuBLAS GEMM (a re-laid-out weight: the integer GEMV, else dequantization through the
         file's layout)."""
-        if (not hasattr(self.module, "ggml_gemv") or x.dtype != torch.float16 or x.dim() != 2
+        if (x.dtype != torch.float16 or x.dim() != 2
                 or x.shape[1] != w.in_features or not ggml.kernel_layout_ok(w, x.device, repacked=True)
                 or (w.bias is not None and w.bias.dtype != torch.float16)):
             return ggml.ggml_matmul(x, w)
         m = x.shape[0]
         repacked = w.type_name != w.file_type_name  # only the integer GEMV reads it
-        q8 = ((self.ggml_kernel != "classic" or repacked) and hasattr(self.module, "ggml_gemv_q8")
-              and _q8_layout_ok(w, self.module))
-        most = (min(GGML_Q8_MAX_ROWS, getattr(self.module, "ggml_q8_max_rows", GGML_GEMV_MAX_ROWS)) if q8
-                else GGML_GEMV_MAX_ROWS)
+        q8 = (self.ggml_kernel != "classic" or repacked) and _q8_layout_ok(w)
+        most = GGML_Q8_MAX_ROWS if q8 else GGML_GEMV_MAX_ROWS
         if not 1 <= m <= most or (repacked and not q8):
             y = x @ self.ggml_dequantize(w).t()
             return y if w.bias is None else y + w.bias
@@ -448,11 +445,11 @@ class CudaKernels:
         return y
 
 
-def _q8_layout_ok(w: ggml.GGMLWeight, module: Any) -> bool:
+def _q8_layout_ok(w: ggml.GGMLWeight) -> bool:
     """The integer GEMV's 16-byte loads of Q4_K/Q5_K blocks and re-laid-out rows need 16-byte aligned rows (rows
-    of 144 / 176-byte blocks, or padded to 16 bytes), and a module that reads the re-laid-out ones."""
+    of 144 / 176-byte blocks, or padded to 16 bytes)."""
     if w.type_name in ggml.REPACKED.values():
-        return w.data.data_ptr() % 16 == 0 and getattr(module, "ggml_q8_repacked", False)
+        return w.data.data_ptr() % 16 == 0
     return w.type_name not in ("Q4_K", "Q5_K") or w.data.data_ptr() % 16 == 0
 
 

@@ -204,7 +204,7 @@ def _native_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     if not (q.is_cuda and isinstance(k_cache, QuantizedKV) and isinstance(v_cache, QuantizedKV)):
         return None
     kern = native.cuda_kernels()
-    if kern is None or not hasattr(kern.module, "kvq_rope_write"):
+    if kern is None:
         return None
     return kern.kvq_rope_write(q, k, v, cos, sin, pos, pos_dev, k_cache, v_cache)
 
@@ -283,14 +283,14 @@ def _native_call(q: torch.Tensor, k_cache: Any, v_cache: Any, length: int, pos: 
         return None
     if q.is_cpu:
         kern = native.cpu_kernels()
-        if kern is None or not hasattr(kern.module, "kvq_decode_attention"):
+        if kern is None:
             return None
         n = length if pos is None else min(int(pos) + 1, length)
         return kern.kvq_decode_attention(q, k_cache, v_cache, n, scale, window, softcap)
     if not q.is_cuda:
         return None
     kern = native.cuda_kernels()
-    if kern is None or not hasattr(kern.module, "kvq_decode_attention"):
+    if kern is None:
         return None
     x = q if q.dtype in (torch.float16, torch.float32) else q.float()
     out = kern.kvq_decode_attention(x, k_cache, v_cache, length, pos, scale, window, softcap)

@@ -93,6 +93,18 @@ def _import_prebuilt(kind: str) -> Any:
 
 def _import_prebuilt_from(package: str, kind: str) -> Any:
     name = f"{package}._ext_{kind}"
+    spec = None
+    if name not in sys.modules:
+        try:
+            spec = importlib.util.find_spec(name)
+        except ModuleNotFoundError as exc:  # the import below reports any other missing module
+            if exc.name in (name, package):
+                return None
+        else:
+            if spec is None:
+                return None
+    if spec is not None and spec.origin and os.path.isfile(spec.origin):
+        _refuse_other_sources(kind, "prebuilt", spec.origin)
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
@@ -153,6 +165,48 @@ def arch_supported(capability: Tuple[int, int], archs: Sequence[str]) -> bool:
     return False
 
 
+def _rebuild_hint(origin: str) -> str:
+    if origin == "JIT-built":
+        return f"delete {cache_root()} to rebuild it"
+    return ("install the matching kernels with `kobold-backend install-ext` (`bash scripts/setup.sh` in a checkout), "
+            "or rebuild them with `pip install .`")
+
+
+_EXPECTED: Dict[str, Optional[str]] = {}
+
+
+def expected_sources(kind: str) -> Optional[str]:
+    """The digest of the kernel sources this package holds (build.sources_digest), or None without them."""
+    if kind not in _EXPECTED:
+        try:
+            _EXPECTED[kind] = build.sources_digest(kind)
+        except build.BuildError:
+            _EXPECTED[kind] = None
+    return _EXPECTED[kind]
+
+
+def _other_sources(kind: str, origin: str, file: str, found: str, expected: str) -> ExtensionError:
+    return ExtensionError(
+        f"The {origin} {kind.upper()} kernel module {file} was built from other kernel sources ({found[:12]}) than "
+        f"this kobold_backend's ({expected[:12]}); {_rebuild_hint(origin)}."
+    )
+
+
+_LIBRARY_MAGIC = (b"\x7fELF", b"MZ\x90\x00", b"\xcf\xfa\xed\xfe")  # ELF, PE, Mach-O 64
+
+
+def _refuse_other_sources(kind: str, origin: str, file: str) -> None:
+    """Refuse a module file that does not hold this package's sources digest, before importing it: a process keeps
+    the first extension module of a name it imports, so a stale one imported would shadow a fresh JIT build."""
+    expected = expected_sources(kind)
+    if expected is None:
+        return
+    with open(file, "rb") as f:
+        data = f.read()
+    if data[:4] in _LIBRARY_MAGIC and expected.encode() not in data:  # anything else fails at import, saying so
+        raise _other_sources(kind, origin, file, "unknown", expected)
+
+
 def check_fingerprint(
     fp: Dict[str, Any],
     kind: str,
@@ -174,6 +228,9 @@ def check_fingerprint(
             f"kobold_backend {version}; rebuild it with `pip install .` (or delete it so {ENV_MODE}=auto "
             f"compiles a matching one)."
         )
+    expected = expected_sources(kind)
+    if expected is not None and fp.get("sources") != expected:
+        raise _other_sources(kind, origin, file, str(fp.get("sources")), expected)
     if kind != "cuda":
         return
     built = str(fp.get("cuda_version") or "0.0")
