@@ -415,8 +415,39 @@ def test_refused_in_one_sentence(changes, words) -> None:
 # float32 at the CPU bound, float16 within 2e-2 (the bound the Gemma 3 GPU tests measured for (1 + w) norms in fp16;
 # on the H200, 2026-12-03, Gemma 4's float16 steps reached 1.75e-2), the MoE fixture on its median and 80% of steps
 # (a router's top-k may flip at an fp16 near-tie, as for the other MoE families).
+# Gemma 3n's activation sparsity keeps the values above mean + k * std of each row: a value near that cutoff falls on
+# either side of it under float16 rounding, so single positions jump. Transformers' own float16 run of the same
+# sequence does the same (HF_FLOAT16_ERR, measured from its float32 run by test_transformers_float16_error_below),
+# and so did the engine with torch's ops in place of the kernels on the H200 (5.4e-2 at the same prompt position as
+# the kernels): its float16 steps are held to a median of 2e-2 and to twice transformers' largest float16 error.
 
 GPU_RTOL = {"float32": 1e-4, "float16": 2e-2}
+HF_FLOAT16_ERR = {"gemma3n": 5.86e-2, "gemma3n_mm": 5.54e-2}
+
+
+def _teacher_forced_rows(lm: LoadedModel, built, steps: int) -> tuple:
+    """The engine's float32 CPU run: prompt then `steps` greedy tokens, every position's logits [T, V]."""
+    prompt = prompt_ids(built, 20, seed=10)
+    cache = lm.model.new_cache()
+    ref = lm.model.forward(prompt, cache, last_only=False)
+    rows, seq = [ref[0]], [prompt]
+    for _ in range(steps):
+        token = ref[:, -1:].argmax(-1)
+        seq.append(token)
+        ref = lm.model.forward(token, cache)
+        rows.append(ref[0])
+    return torch.cat(seq, dim=1), torch.cat(rows, dim=0)
+
+
+@pytest.mark.parametrize("name", sorted(HF_FLOAT16_ERR))
+def test_transformers_float16_error_below(name: str, archs, ours) -> None:
+    """The reference the Gemma 3n GPU bound rests on: transformers in float16 (CPU) on the GPU test's sequence, against
+    the engine's float32 run (itself within 1e-4 of transformers' float32), is HF_FLOAT16_ERR within 10 %."""
+    ids, want = _teacher_forced_rows(ours(name), archs.get(name), 40)
+    with torch.no_grad():
+        got = hf_load(archs.get(name).oracle_path).to(torch.float16)(ids).logits[0].float()
+    err = max(row_rel_err(got[i], want[i]) for i in range(want.shape[0]))
+    assert abs(err - HF_FLOAT16_ERR[name]) < 0.1 * HF_FLOAT16_ERR[name], err
 
 
 @pytest.mark.gpu
@@ -443,10 +474,14 @@ def test_gpu_matches_the_cpu_run(name: str, dtype: str, archs, record_property) 
         errs.append(row_rel_err(got.float().cpu(), ref[0, -1]))
     record_property("max_rel_err", max(errs))
     ordered = sorted(errs)
+    median, tol = ordered[len(ordered) // 2], GPU_RTOL[dtype]
     if dtype == "float16" and "moe" in name:
-        assert ordered[len(ordered) // 2] < GPU_RTOL[dtype] and ordered[int(0.8 * len(ordered)) - 1] < GPU_RTOL[dtype]
+        assert median < tol and ordered[int(0.8 * len(ordered)) - 1] < tol
+    elif dtype == "float16" and name in HF_FLOAT16_ERR:
+        bound = 2 * HF_FLOAT16_ERR[name]
+        assert median < tol and max(errs) < bound, f"{name}: median {median:.3e}, max {max(errs):.3e}"
     else:
-        assert max(errs) < GPU_RTOL[dtype], f"{name} {dtype}: max relative logit error {max(errs):.3e}"
+        assert max(errs) < tol, f"{name} {dtype}: max relative logit error {max(errs):.3e}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from kobold_backend.engine.generator import GenerationRequest, Generator
 from kobold_backend.engine.loader import LoadedModel, load_model
 from kobold_backend.engine.sampling import SamplerSettings
 from tests.fixtures.hf_oracle import by_name, greedy_both, hf_load, hf_step, prompt_ids, row_rel_err
+from tests.fixtures.int8_activations import int8_ggml_activations, int8_on_cuda
 from tests.fixtures.qwen35_checkpoints import SPECS, BuiltQwen35, build_qwen35
 
 if not hasattr(transformers, "Qwen3_5ForCausalLM"):
@@ -467,28 +468,36 @@ def test_united_accepts_the_gguf(gguf_files) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen35", "qwen35_moe"])
-def test_gpu_gguf_matches_transformers(name: str, gguf_files, built) -> None:
-    """The GGUF files on CUDA in float16 (Q8_0 linears through the GGML kernels), teacher-forced."""
+def test_gpu_gguf_matches_the_cpu_run(name: str, gguf_files, built) -> None:
+    """The GGUF files on CUDA in float16 (Q8_0 linears through the GGML kernels), teacher-forced along the engine's
+    float32 CPU run of the same file (held to transformers by test_gguf_matches_transformers) within 1e-2, plus 1.5
+    times the error the integer GEMV's int8 activation rounding gives a float32 run (the rule of
+    tests/test_gguf_archs.py's GPU test). On the H200 (2026-12-03): 4.9e-2 with the int8 GEMV, 2.4e-3 with the
+    float16-activation GEMV; the rounding rule alone 4.1e-2; transformers' own float16 run 4.4e-3 from its float32."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    path, ref_model = gguf_files(name)
-    lm = load_model(path, device="cuda", dtype="float16", max_seq_len=MAX_SEQ)
-    prompt = prompt_ids(built(name), 60, seed=19)
-    cache = lm.model.new_cache()
-    got = lm.model.forward(prompt.cuda(), cache)
-    ref, past = hf_step(ref_model, prompt, None)
-    errs = [row_rel_err(got.float().cpu(), ref[:, -1:])]
-    for _ in range(16):
-        token = ref[:, -1:].argmax(-1)
-        step = lm.model.forward(token.cuda(), cache)[0, -1]
-        ref, past = hf_step(ref_model, token, past)
-        errs.append(row_rel_err(step.float().cpu(), ref[0, -1]))
-    lm.unload()
-    ordered = sorted(errs)
+    path, _ = gguf_files(name)
+    runs = {"cpu": load_model(path, device="cpu", max_seq_len=MAX_SEQ),
+            "gpu": load_model(path, device="cuda", dtype="float16", max_seq_len=MAX_SEQ)}
+    if int8_on_cuda():
+        runs["int8"] = load_model(path, device="cpu", max_seq_len=MAX_SEQ)
+    caches = {k: lm.model.new_cache() for k, lm in runs.items()}
+    errs: dict = {"gpu": [], "int8": []}
+    ids = prompt_ids(built(name), 60, seed=19)
+    for _ in range(17):
+        ref = runs["cpu"].model.forward(ids, caches["cpu"])
+        errs["gpu"].append(row_rel_err(runs["gpu"].model.forward(ids.cuda(), caches["gpu"]).float().cpu(), ref))
+        if "int8" in runs:
+            with int8_ggml_activations():
+                errs["int8"].append(row_rel_err(runs["int8"].model.forward(ids, caches["int8"]), ref))
+        ids = ref[:, -1:].argmax(-1)
+    runs["gpu"].unload()
+    bound = 1e-2 + 1.5 * max(errs["int8"], default=0.0)
+    ordered = sorted(errs["gpu"])
     if name.endswith("moe"):  # router top-k flips under fp16 rounding, as in test_gpu_matches_transformers
-        assert ordered[len(ordered) // 2] < 2e-2 and ordered[int(0.8 * len(ordered)) - 1] < 2e-2, ordered[-3:]
+        assert ordered[len(ordered) // 2] < bound and ordered[int(0.8 * len(ordered)) - 1] < bound, (errs, bound)
     else:
-        assert ordered[-1] < 2e-2, ordered[-3:]
+        assert ordered[-1] < bound, (errs, bound)
 
 
 def test_engine_bench_runs_without_graphs(built) -> None:

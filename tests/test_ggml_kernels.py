@@ -28,6 +28,7 @@ from kobold_backend.bench.gguf_checkpoint import q4_k_m_types, use_more_bits, wr
 from kobold_backend.ops import native
 from kobold_backend.ops.ggml import GGML_TYPES, KERNEL_TYPES, REPACKED, TYPE_IDS, GGMLWeight, ggml_dequantize
 from tests.fixtures.ggml_quant import quantize_rows
+from tests.fixtures.int8_activations import q8_activations
 
 # Byte offsets of each block type's fp16 fields (kept finite when blocks are random bytes).
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
@@ -65,15 +66,6 @@ def oracle(x: torch.Tensor, w: GGMLWeight) -> torch.Tensor:
 def _cpu(w: GGMLWeight) -> GGMLWeight:
     return GGMLWeight(w.data.cpu(), w.type_name, w.in_features, w.out_features,
                       None if w.bias is None else w.bias.cpu())
-
-
-def q8_activations(x: torch.Tensor) -> torch.Tensor:
-    """The integer GEMV's activations as it rounds them, float64 [M, K]: per 16 consecutive values of a row,
-    d = amax / 127 and q = rint(x * (1 / d)) in float32 (0 where the group is all zeros), value q * d."""
-    g = x.cpu().float().reshape(x.shape[0], -1, 16)
-    d = g.abs().amax(dim=-1, keepdim=True) / 127
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    return (torch.round(g * inv) * d).double().reshape(x.shape)
 
 
 def assert_rel(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:

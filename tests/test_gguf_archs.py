@@ -22,13 +22,13 @@ from kobold_backend.engine.gguf.file import GGUFFile
 from kobold_backend.engine.loader import LoadedModel, load_model
 from kobold_backend.engine.moe import RoutedExperts
 from kobold_backend.errors import ModelFormatError
-from kobold_backend.ops.cuda_kernels import DEFAULT_GGML_KERNEL
 from kobold_backend.ops.ggml import GGMLWeight
 from tests.fixtures import moe_gemma_checkpoints as moe_gemma
 from tests.fixtures.arch_checkpoints import ARCH_BY_NAME, build_arch_checkpoint
 from tests.fixtures.checkpoints import SPECS, build_checkpoint
 from tests.fixtures.gguf_files import write_gguf
 from tests.fixtures.hf_oracle import greedy_both, hf_load, prompt_ids, row_rel_err
+from tests.fixtures.int8_activations import int8_ggml_activations, int8_on_cuda
 
 LOGITS_RTOL = 1e-4
 GREEDY_TOKENS = 24
@@ -226,28 +226,39 @@ def test_gguf_unknown_architecture_is_one_sentence(written, tmp_path: Path) -> N
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(FIXTURES))
 def test_gpu_gguf_family_matches_cpu(name: str, written, loaded) -> None:
-    """On CUDA in float16 (block formats as stored, MoE decode through the gathered path): prompt logits within
-    1e-2 relative of the float32 CPU run and 8 decode steps on the CPU run's tokens likewise; Gemma 3 within 2e-2,
-    the bound tests/test_architectures_moe_gemma.py measured for its seven layers of (1 + w) norms in fp16; with the
-    integer GGML GEMV (int8 activations) 3e-2 and 4e-2."""
+    """On CUDA in float16 (block formats as stored, MoE decode through the gathered path): prompt logits and 8
+    decode steps on the float32 CPU run's tokens within 1e-2 relative of that run; Gemma 3 within 2e-2, the bound
+    tests/test_architectures_moe_gemma.py measured for its seven layers of (1 + w) norms in fp16. Few-row GGML
+    linears (decode) run the integer GEMV, which rounds its activations to int8 per 16 values as llama.cpp does: that
+    error is the model's under the rounding rule, measured here by a second float32 CPU run that rounds the same way
+    (tests/fixtures/int8_activations.py), and allowed 1.5 times over (the GPU rounds float16 activations, which land
+    on the other side of a rounding step now and then: about sqrt(2) times the noise) on top of the float16 bound.
+    On the H200 (2026-12-03), Gemma 3: 9.5e-2 with the int8 GEMV, 1.2e-2 with the float16-activation one; the
+    rounding rule alone 6.5e-2."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    # decode steps through the integer GGML GEMV (the default q8-pdl) quantize the activations to int8 per 16 values
-    # as llama.cpp does; on the H200 (2026-12-03) that put these steps 1.0-2.3e-2 from the float32 CPU run
-    int8 = DEFAULT_GGML_KERNEL != "classic"
-    tol = (4e-2 if int8 else 2e-2) if name.startswith("gemma3") else (3e-2 if int8 else 1e-2)
-    cpu = loaded(name)
-    gpu = load_model(written(name).gguf, device="cuda", dtype="float16", max_seq_len=96)
-    ids = prompt_ids(written(name).built, 16, seed=4)
-    cpu_cache, gpu_cache = cpu.model.new_cache(), gpu.model.new_cache()
-    ref = cpu.model.forward(ids, cpu_cache, last_only=False)
-    ours = gpu.model.forward(ids.cuda(), gpu_cache, last_only=False).float().cpu()
-    assert row_rel_err(ours, ref) < tol, row_rel_err(ours, ref)
+    tol = 2e-2 if name.startswith("gemma3") else 1e-2
+    runs = {"cpu": loaded(name), "gpu": load_model(written(name).gguf, device="cuda", dtype="float16", max_seq_len=96)}
+    if int8_on_cuda():
+        runs["int8"] = load_model(written(name).gguf, device="cpu", max_seq_len=96)
+    caches = {k: lm.model.new_cache() for k, lm in runs.items()}
+    errs: Dict[str, list] = {"gpu": [], "int8": []}
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        ref = runs["cpu"].model.forward(ids, caches["cpu"], last_only=False)
+        ours = runs["gpu"].model.forward(ids.cuda(), caches["gpu"], last_only=False).float().cpu()
+        errs["gpu"].append(row_rel_err(ours, ref))
+        if "int8" in runs:
+            with int8_ggml_activations():
+                errs["int8"].append(row_rel_err(runs["int8"].model.forward(ids, caches["int8"], last_only=False), ref))
+        return ref
+
+    ref = step(prompt_ids(written(name).built, 16, seed=4))
     for _ in range(8):
-        token = torch.tensor([[int(ref[0, -1].argmax())]])
-        ref = cpu.model.forward(token, cpu_cache)
-        ours = gpu.model.forward(token.cuda(), gpu_cache).float().cpu()
-        assert row_rel_err(ours, ref) < tol, row_rel_err(ours, ref)
+        ref = step(torch.tensor([[int(ref[0, -1].argmax())]]))
+    runs["gpu"].unload()
+    bound = tol + 1.5 * max(errs["int8"], default=0.0)
+    assert max(errs["gpu"]) < bound, (errs, bound)
 
 
 def _meta(arch: str, layers: int, **extra: Any) -> Dict[str, Any]:
