@@ -1,7 +1,8 @@
 """Chat templates: the model's Jinja2 template rendered in a sandbox with the variables and helpers transformers'
 apply_chat_template provides, and the rendered text turned into the ids `apply_chat_template(tokenize=True)` gives
 (special tokens written by the template are single ids; no BOS is added, since a template that wants one writes
-`bos_token` itself)."""
+`bos_token` itself). Rendering runs in a worker process (template_pool.py) under the sandbox's bounds
+(template_sandbox.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ import jinja2
 import jinja2.nodes
 from jinja2.ext import Extension, loopcontrols
 
+from kobold_backend.engine.template_pool import POOL, RenderFailed
 from kobold_backend.engine.template_sandbox import BoundedSandbox, render_bounded
 from kobold_backend.engine.tokenizer import Tokenizer
+from kobold_backend.errors import ModelFormatError
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +29,13 @@ log = logging.getLogger(__name__)
 SAFE_JINJA = (3, 1, 6)
 
 
-class TemplateCompileError(Exception):
-    """The template is not valid Jinja2 (a fault of the model folder or the configured file)."""
+# The longest template compiled (real ones are a few tens of kilobytes).
+MAX_TEMPLATE_CHARS = 1 << 20
+
+
+class TemplateCompileError(ModelFormatError):
+    """The template is not valid Jinja2 (a fault of the model folder or the configured file): a model error, so a
+    load that reads it is refused like any bad model file."""
 
 
 class TemplateRenderError(Exception):
@@ -76,6 +84,8 @@ def compile_template(source: str) -> jinja2.Template:
     if _jinja_version() < SAFE_JINJA:
         log.warning("Jinja2 %s has known sandbox escapes; install Jinja2 >= 3.1.6 before serving untrusted "
                     "chat templates", jinja2.__version__)
+    if len(source) > MAX_TEMPLATE_CHARS:
+        raise TemplateCompileError(f"the template has {len(source)} characters (at most {MAX_TEMPLATE_CHARS})")
     env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -88,10 +98,24 @@ def compile_template(source: str) -> jinja2.Template:
         raise TemplateCompileError(f"the template nests too deeply ({type(e).__name__}: {e})") from None
 
 
+def render(template: jinja2.Template, variables: Dict[str, Any], input_chars: int) -> str:
+    """`template` rendered with `variables` under the sandbox's bounds; TemplateRenderError says why not."""
+    try:
+        return render_bounded(template, input_chars, variables)
+    except jinja2.TemplateError as e:
+        raise TemplateRenderError(str(e.message or e)) from None
+    except RecursionError:
+        raise TemplateRenderError("the chat template recursed too deeply") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError, MemoryError) as e:
+        raise TemplateRenderError(f"the chat template failed on these messages ({type(e).__name__}: {e})") \
+            from None
+
+
 class ChatFormatter:
     """Renders messages with one template and encodes the result for one tokenizer."""
 
     def __init__(self, source: str, tokenizer: Tokenizer, folder: Optional[Path] = None) -> None:
+        self.source = source
         self.template = compile_template(source)
         self.tokenizer = tokenizer
         self.bos_token = tokenizer.bos_token or ""
@@ -101,17 +125,14 @@ class ChatFormatter:
         """The prompt text: the template with bos_token, eos_token, no tools (what apply_chat_template renders;
         like it, keys whose value is None are dropped from the messages, so `content: null` reads as missing)."""
         messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
+        variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
+                         eos_token=self.eos_token, tools=None, documents=None)
+        input_chars = len(str(messages))
         try:
-            return render_bounded(self.template, len(str(messages)), dict(
-                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
-                eos_token=self.eos_token, tools=None, documents=None))
-        except jinja2.TemplateError as e:
-            raise TemplateRenderError(str(e.message or e)) from None
-        except RecursionError:
-            raise TemplateRenderError("the chat template recursed too deeply") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError, MemoryError) as e:
-            raise TemplateRenderError(f"the chat template failed on these messages ({type(e).__name__}: {e})") \
-                from None
+            text = POOL.render(self.source, variables, input_chars)
+        except RenderFailed as e:
+            raise TemplateRenderError(str(e)) from None
+        return render(self.template, variables, input_chars) if text is None else text
 
     def encode(self, text: str) -> List[int]:
         """Token ids of rendered text: special tokens in it (BOS the template wrote, <|im_start|> ...) are single

@@ -14,9 +14,38 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Un
 
 from kobold_backend.engine import tokenizer_compat
 from kobold_backend.engine.tokenizer_config import AddedTokenSpec, TokenizerConfig, read_tokenizer_config
-from kobold_backend.errors import ModelFormatError
+from kobold_backend.errors import ModelFormatError, RequestError
 
 log = logging.getLogger(__name__)
+
+# The most characters of request text tokenized in one piece (about 500,000 tokens, more than any context holds).
+MAX_TOKENIZE_CHARS = 1 << 21
+# Texts longer than this are tokenized with Python's GIL released (encode_batch), so other threads keep running.
+GIL_FREE_CHARS = 1 << 14
+
+
+class TokenizerFailed(RequestError):
+    """The model's tokenizer failed on this text (its regex gave up, a panic inside the tokenizers library): the
+    model's fault for this input, answered 422."""
+
+
+def check_tokenize_size(text: str, field: str = "prompt") -> None:
+    """RequestError (before any work) when `text` is longer than MAX_TOKENIZE_CHARS."""
+    if len(text) > MAX_TOKENIZE_CHARS:
+        raise RequestError(f"{field} has {len(text)} characters; at most {MAX_TOKENIZE_CHARS} are tokenized at once.",
+                           field)
+
+
+def _tokenizer_call(func: Any, *args: Any, **kwargs: Any) -> Any:
+    """`func(*args)` of the tokenizers library, its Rust panics (pyo3's PanicException is a BaseException, not an
+    Exception: an onig regex over its backtracking limit, a bad pre-tokenizer) raised as TokenizerFailed."""
+    try:
+        return func(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - only PanicException is turned into an error, the rest re-raised
+        if type(e).__name__ != "PanicException":
+            raise
+        first = (str(e).strip().splitlines() or ["a panic"])[0][:200]
+        raise TokenizerFailed(f"The model's tokenizer failed on this text ({first}).", "prompt") from None
 
 
 def _bytes_to_unicode() -> Dict[int, str]:
@@ -279,13 +308,16 @@ class FastTokenizer(Tokenizer):
         return piece.replace("\u2581", " ").encode("utf-8")
 
     def _encode(self, text: str) -> List[int]:
-        return list(self.tok.encode(text, add_special_tokens=False).ids)
+        if len(text) > GIL_FREE_CHARS:
+            return list(_tokenizer_call(self.tok.encode_batch, [text], add_special_tokens=False)[0].ids)
+        return list(_tokenizer_call(self.tok.encode, text, add_special_tokens=False).ids)
 
     def decode_strips_prefix_space(self) -> bool:
         return not self.byte_level and self.adds_prefix_space()
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self.tok.decode([i for i in self._valid(ids) if i not in self.special], skip_special_tokens=True)
+        return _tokenizer_call(self.tok.decode, [i for i in self._valid(ids) if i not in self.special],
+                               skip_special_tokens=True)
 
     def token_bytes(self, token_id: int) -> bytes:
         if 0 <= token_id < self.vocab_size:

@@ -7,6 +7,7 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, stream_with_context
 
 from kobold_backend import __version__
+from kobold_backend.engine.tokenizer import check_tokenize_size
 from kobold_backend.server import passthrough, sse
 from kobold_backend.server.errors import BadJson
 from kobold_backend.server.generation import generation_job
@@ -110,6 +111,7 @@ def tokencount() -> Any:
         return jsonify({"value": -1, "ids": []}), 400
     state = get_state()
     tokenizer = state.require_model().tokenizer
+    check_tokenize_size(body["prompt"])
     # Tokenizing runs on the request thread, outside the generation queue: one at a time bounds the memory and
     # CPU a client can take with large texts (a 30 MB text takes seconds and over a GB while it is counted).
     if not state.tokenize_slot.acquire(timeout=TOKENIZE_WAIT_SECONDS):

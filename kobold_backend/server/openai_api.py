@@ -16,6 +16,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from kobold_backend.engine.chat_template import ChatFormatter, TemplateCompileError, TemplateRenderError
 from kobold_backend.engine.request import GenerationRequest, resolve_seed
+from kobold_backend.engine.tokenizer import TokenizerFailed
 from kobold_backend.errors import OutOfContextError, RequestError
 from kobold_backend.server import passthrough, sse
 from kobold_backend.server.auth import ALLOWED_HEADERS, add_cors_headers, key_ok
@@ -125,6 +126,8 @@ def as_openai_error(e: BaseException) -> OpenAIError:
         return OpenAIError(f"The chat template does not compile: {e}", 500, None, "chat_template_error")
     if isinstance(e, OutOfContextError):
         return OpenAIError(str(e), 400, "prompt", "context_length_exceeded")
+    if isinstance(e, TokenizerFailed):
+        return OpenAIError(str(e), 422, e.field, "tokenizer_error")
     if isinstance(e, RequestError):
         return OpenAIError(str(e), 400, e.field)
     if isinstance(e, ApiError):
@@ -204,13 +207,14 @@ def _plan(state: ServerState, active: ActiveModel, req: OpenAIRequest) -> List[P
     prompt: sampler_seed/seed, or a random one)."""
     params = req.params
     if req.chat:
-        from kobold_backend.engine.tokenizer import surely_longer_than
+        from kobold_backend.engine.tokenizer import check_tokenize_size, surely_longer_than
 
         formatter = _formatter(state, active)
         text = formatter.render(req.messages)
         if surely_longer_than(active.tokenizer, text, active.max_context):
             raise OpenAIError(f"This model's context holds {active.max_context} tokens; the messages take more.",
                               400, "messages", "context_length_exceeded")
+        check_tokenize_size(text, "messages")
         ids = formatter.encode(text)
         prompts = [prompt_and_length(params, ids, active.tokenizer, active.max_context, chat=True)]
     else:

@@ -214,7 +214,7 @@ def _string_list(f: Field, value: Any) -> Tuple[str, ...]:
     if isinstance(value, str) and f.name == "dry_sequence_breakers":
         try:
             value = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ValueError("Not a valid list or JSON string of a list.") from None
     elif isinstance(value, str):
         value = [value]
