@@ -5,9 +5,10 @@ Why processes: the sandbox (template_sandbox.py) checks sizes before every opera
 every 256 steps, but one operation is a C loop no thread can interrupt, and a CPU-bound render holds Python's GIL
 against every request thread. A worker process runs with its address space capped (MEMORY_BYTES beyond its start,
 RLIMIT_AS) at a lower priority; a render that has not answered after RENDER_SECONDS is killed and refused. At most
-WORKERS render at once (started on first use, restarted after a kill); a render that waits WAIT_SECONDS for one is
-refused as busy. Where no worker process can be started, the render runs in the calling thread under the sandbox's
-own bounds.
+WORKERS render at once (started on first use, restarted after a kill) and WAITERS more wait (at most WAIT_SECONDS);
+any further render is refused as busy at once, so renders never hold more than WORKERS + WAITERS request threads and
+the other routes keep theirs. Where no worker process can be started, the render runs in the calling thread under
+the sandbox's own bounds.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ log = logging.getLogger(__name__)
 MEMORY_BYTES = 192 << 20
 RENDER_SECONDS = MAX_SECONDS + 0.5
 WORKERS = 2
-WAIT_SECONDS = 10.0
+WAITERS = 1
+WAIT_SECONDS = 5.0
+STARTUP_SECONDS = 30.0
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
@@ -39,7 +42,7 @@ class RenderFailed(Exception):
 
 
 class RendererBusy(KoboldBackendError):
-    """Every chat-template worker stayed busy for WAIT_SECONDS."""
+    """Every chat-template worker is busy (and WAITERS renders wait already, or one waited WAIT_SECONDS)."""
 
 
 class _Worker:
@@ -53,6 +56,13 @@ class _Worker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
         self.answers: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, name="template-worker-reader", daemon=True).start()
+        try:
+            ready = self.answers.get(timeout=STARTUP_SECONDS)
+        except queue.Empty:
+            ready = None
+        if ready is None:  # the render time starts once the process has started
+            self.kill()
+            raise RenderFailed("the chat-template renderer process did not start")
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -94,6 +104,7 @@ class RenderPool:
 
     def __init__(self) -> None:
         self._slots = threading.BoundedSemaphore(WORKERS)
+        self._admitted = threading.BoundedSemaphore(WORKERS + WAITERS)
         self._idle: List[_Worker] = []
         self._lock = threading.Lock()
         self._unavailable = False
@@ -102,8 +113,16 @@ class RenderPool:
         """The rendered text, or None where no worker process can be started (the caller renders in-process)."""
         if self._unavailable:
             return None
+        if not self._admitted.acquire(blocking=False):
+            raise RendererBusy("Every chat-template renderer is busy; try again shortly.")
+        try:
+            return self._render_admitted(source, variables, input_chars)
+        finally:
+            self._admitted.release()
+
+    def _render_admitted(self, source: str, variables: Dict[str, Any], input_chars: int) -> Optional[str]:
         if not self._slots.acquire(timeout=WAIT_SECONDS):
-            raise RendererBusy(f"every chat-template renderer stayed busy for {WAIT_SECONDS:g} s")
+            raise RendererBusy(f"Every chat-template renderer stayed busy for {WAIT_SECONDS:g} s; try again shortly.")
         try:
             with self._lock:
                 worker = self._idle.pop() if self._idle else None

@@ -1,6 +1,7 @@
 """The chat-template renderer's process (`python -m kobold_backend.engine.template_worker MEMORY_BYTES`): it caps its
-own address space at what it uses after start-up plus MEMORY_BYTES, lowers its priority, then answers one JSON line
-per JSON line on stdin: {"source", "variables", "input_chars"} -> {"text"} or {"error"} (template_pool.py runs it).
+own address space at what it uses after start-up plus MEMORY_BYTES, lowers its priority, says it is ready, then
+answers one JSON line per JSON line on stdin: {"source", "variables", "input_chars"} -> {"text"} or {"error"}
+(template_pool.py runs it).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def main() -> None:
         os.nice(5)
     except (AttributeError, OSError):
         pass
+    sys.stdout.write('{"ready": true}\n')
+    sys.stdout.flush()
     for line in sys.stdin:
         try:
             reply = answer(json.loads(line), memory_bytes)

@@ -461,6 +461,13 @@ def load_tokenizer(
         tokenizer = _from_sentencepiece(folder / "tokenizer.model", config, bos_id, eos_ids)
     else:
         raise ModelFormatError(f"{folder} has no tokenizer (expected tokenizer.json or tokenizer.model).")
+    if config.chat_template is not None:
+        from kobold_backend.engine.chat_template import TemplateCompileError, compile_template
+
+        try:
+            compile_template(config.chat_template)
+        except TemplateCompileError as e:
+            raise ModelFormatError(f"{folder}: the chat template does not compile ({e}).") from None
     tokenizer.chat_template = config.chat_template
     return tokenizer
 

@@ -16,10 +16,11 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from kobold_backend.engine.chat_template import ChatFormatter, TemplateCompileError, TemplateRenderError
 from kobold_backend.engine.request import GenerationRequest, resolve_seed
+from kobold_backend.engine.template_pool import RendererBusy
 from kobold_backend.engine.tokenizer import TokenizerFailed
 from kobold_backend.errors import OutOfContextError, RequestError
 from kobold_backend.server import passthrough, sse
-from kobold_backend.server.auth import ALLOWED_HEADERS, add_cors_headers, key_ok
+from kobold_backend.server.auth import ALLOWED_HEADERS, add_cors_headers
 from kobold_backend.server.engine_holder import ActiveModel
 from kobold_backend.server.errors import BUSY_MESSAGE, ApiError
 from kobold_backend.server.logprobs import chat_logprobs, completion_logprobs, kobold_logprobs
@@ -87,16 +88,7 @@ class Meta:
     include_usage: bool
 
 
-# -- key, CORS and errors --------------------------------------------------------------------------------------
-
-@bp.before_request
-def _check_key() -> Any:
-    key = get_state().config.api_key
-    if key and request.method != "OPTIONS" and not key_ok(key):
-        return _error_response(OpenAIError("Incorrect API key provided.", 401, None, "invalid_api_key",
-                                           {"WWW-Authenticate": "Bearer"}))
-    return None
-
+# -- CORS and errors (auth.py checks the key of every /v1 path) --------------------------------------------------
 
 @bp.after_request
 def _cors(resp: Any) -> Any:
@@ -123,7 +115,9 @@ def as_openai_error(e: BaseException) -> OpenAIError:
     if isinstance(e, TemplateRenderError):
         return OpenAIError(f"The chat template rejected the messages: {e}", 400, "messages", "chat_template_error")
     if isinstance(e, TemplateCompileError):
-        return OpenAIError(f"The chat template does not compile: {e}", 500, None, "chat_template_error")
+        return OpenAIError(f"The chat template does not compile: {e}", 422, None, "chat_template_error")
+    if isinstance(e, RendererBusy):
+        return OpenAIError(str(e), 503, None, "server_busy", {"Retry-After": "1"})
     if isinstance(e, OutOfContextError):
         return OpenAIError(str(e), 400, "prompt", "context_length_exceeded")
     if isinstance(e, TokenizerFailed):
