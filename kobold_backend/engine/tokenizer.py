@@ -282,8 +282,8 @@ class FastTokenizer(Tokenizer):
         if self.tok.post_processor is None:
             return (), ()
         probe = "a"
-        plain = list(self.tok.encode(probe, add_special_tokens=False).ids)
-        full = list(self.tok.encode(probe, add_special_tokens=True).ids)
+        plain = list(_tokenizer_call(self.tok.encode, probe, add_special_tokens=False).ids)
+        full = list(_tokenizer_call(self.tok.encode, probe, add_special_tokens=True).ids)
         for start in range(len(full) - len(plain) + 1):
             if full[start:start + len(plain)] == plain:
                 return tuple(full[:start]), tuple(full[start + len(plain):])
@@ -358,7 +358,7 @@ def _from_tokenizer_json(path: Path, config: TokenizerConfig, bos_id: Optional[i
         spec = json.loads(path.read_text(encoding="utf-8"))
         if config.add_prefix_space is not None:
             _set_byte_level_prefix(spec, config.add_prefix_space)
-        backend = tokenizer_compat.from_spec(spec)
+        backend = _tokenizer_call(tokenizer_compat.from_spec, spec)
     except Exception as exc:
         raise ModelFormatError(f"{path} is not a readable tokenizer.json ({exc}).") from None
     if config.tokenizer_class in LLAMA_CLASSES and _sentencepiece_like(spec):
