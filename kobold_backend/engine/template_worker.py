@@ -15,7 +15,8 @@ from kobold_backend.engine.chat_template import TemplateCompileError, TemplateRe
 
 
 def limit_memory(extra_bytes: int) -> None:
-    """RLIMIT_AS = the address space in use now + `extra_bytes` (where the platform has it: Linux, BSD)."""
+    """RLIMIT_AS = the address space in use now + `extra_bytes` (on Linux: elsewhere the render is bounded by the
+    sandbox's checks and the pool's time limit only)."""
     try:
         import resource
 
