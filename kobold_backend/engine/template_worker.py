@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any, Dict
 
-from kobold_backend.engine.chat_template import TemplateCompileError, TemplateRenderError, compile_template, render
+from kobold_backend.engine.chat_jinja import TemplateCompileError, TemplateRenderError, compile_template, render
 
 
 def limit_memory(extra_bytes: int) -> None:

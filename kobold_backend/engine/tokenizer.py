@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from kobold_backend.engine import tokenizer_compat
+from kobold_backend.engine.chat_jinja import TemplateCompileError, compile_template
 from kobold_backend.engine.tokenizer_config import AddedTokenSpec, TokenizerConfig, read_tokenizer_config
 from kobold_backend.errors import ModelFormatError, RequestError
 
@@ -462,8 +463,6 @@ def load_tokenizer(
     else:
         raise ModelFormatError(f"{folder} has no tokenizer (expected tokenizer.json or tokenizer.model).")
     if config.chat_template is not None:
-        from kobold_backend.engine.chat_template import TemplateCompileError, compile_template
-
         try:
             compile_template(config.chat_template)
         except TemplateCompileError as e:
