@@ -196,3 +196,30 @@ def test_banned_phrase_with_guidance_scale_zero_stays_finite(lm) -> None:
     out = gen.generate(GenerationRequest(prompt, 12, GREEDY, ban_eos=True, negative_prompt_ids=negative,
                                          guidance_scale=0.0, banned_strings=[phrase]))
     assert phrase.lower() not in out.text.lower()
+
+
+def test_banned_phrases_are_bounded_and_matched_per_token_in_a_window() -> None:
+    """48 phrases of the longest allowed length over 3000 tokens: each token searches a window, not the whole
+    output (the old per-request IGNORECASE regexes over the whole text took tens of seconds for such phrases)."""
+    import time
+
+    from kobold_backend.engine.generator import _TextTracker
+    from kobold_backend.engine.request import MAX_MATCH_CHARS
+
+    class Letters:
+        def token_bytes(self, token_id: int) -> bytes:
+            return "aé"[token_id % 2].encode()
+
+    with pytest.raises(RequestError, match="at most 512"):
+        GenerationRequest([1], 1, banned_strings=["x" * (MAX_MATCH_CHARS + 1)])
+    phrases = ["b" * (MAX_MATCH_CHARS - 1) + str(i) for i in range(48)] + ["AÉAÉ"]
+    tracker = _TextTracker(Letters(), (), phrases)  # type: ignore[arg-type]
+    started, found = time.perf_counter(), []
+    for i in range(3000):
+        tracker.push(i)
+        at = tracker.find_banned()
+        if at is not None:
+            found.append(at)
+            tracker.truncate(at)
+    assert found and all(at >= 0 for at in found)  # "aéaé" matched case-insensitively, across tokens
+    assert time.perf_counter() - started < 5.0

@@ -18,6 +18,7 @@ from kobold_backend.engine.chat_template import (
     compile_template,
 )
 from kobold_backend.engine.tokenizer import load_tokenizer
+from kobold_backend.errors import ModelFormatError
 from tests.fixtures.tokenizer_families import LLAMA2, LLAMA3
 
 # HF's extras: strftime_now, tools=None, namespace, loop controls, tojson without HTML escapes, {% generation %},
@@ -137,10 +138,14 @@ def test_sandbox_refuses_escapes_and_mutation(spm_dir: Path, template: str) -> N
     assert "class" not in out and "function" not in out and messages[0]["role"] == "user"
 
 
-def test_compile_errors_and_missing_template(spm_dir: Path) -> None:
+def test_compile_errors_and_missing_template(spm_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(TemplateCompileError, match="line 1"):
         compile_template("{% for m in messages %}")
     assert _template(spm_dir) is None
+    # a model's own template that does not compile is a model error at load (422 load_error), not a 500 per chat
+    broken = with_template(spm_dir, tmp_path / "broken", "{% for m in messages %}")
+    with pytest.raises(ModelFormatError, match="chat template does not compile .*line 1"):
+        load_tokenizer(broken)
 
 
 def test_chat_template_jinja_file_wins(folders: Dict[str, Path], tmp_path: Path) -> None:

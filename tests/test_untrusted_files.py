@@ -266,6 +266,18 @@ MESSAGES = [{"role": "user", "content": "hi"}]
     ("{{ 'aaaa' | replace('', 'x' * 1000000) }}", "made a replaced string"),
     ("{{ 7 ** 1000000 }}", "an integer of about"),
     ("{{ messages.__class__.__mro__ }}", "unsafe"),
+    # issue 35: each of these built its value (1.5 to 8 GB, or 39 s of lipsum) before any check looked at it
+    ("{% set ns=namespace(s='a') %}{% for i in range(30) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "joined string"),
+    ("{{ (['x'*99999]*10000) }}", "made a written value"),
+    ("{{ lipsum(n=200, min=99998, max=99999)|length }}", "at most 10000 words"),
+    ("{{ (['x'*9999]*100) | tojson(indent=20000) }}", "indent of 20000"),
+    ("{{ '{0:{1}}'.format('x','999999999') }}", "takes a format width from its arguments"),
+    ("{{ ('\n' * 99999) | indent(99999) }}", "the result of the indent filter"),
+    ("{{ ('a ' * 99999) | wordwrap(1, wrapstring='x' * 99999) }}", "the result of the wordwrap filter"),
+    ("{{ (['x'*99999]*10000) | string }}", "the input of the string filter"),
+    ("{{ ('\t' * 99999).expandtabs(99999) }}", "an expanded string"),
+    ("{{ ('x' * 99999).join(['a'] * 10000) }}", "a joined string"),
+    ("{% set ns = namespace(l=[]) %}{% set ns.l = ['x' * 99999] * 11 %}", "a namespace value"),
 ])
 def test_chat_templates_are_bounded(source: str, message: str) -> None:
     start = time.process_time()

@@ -1,97 +1,29 @@
 """Chat templates: the model's Jinja2 template rendered in a sandbox with the variables and helpers transformers'
 apply_chat_template provides, and the rendered text turned into the ids `apply_chat_template(tokenize=True)` gives
 (special tokens written by the template are single ids; no BOS is added, since a template that wants one writes
-`bos_token` itself)."""
+`bos_token` itself). The template is compiled by chat_jinja.py and rendered in a worker process (template_pool.py)
+under the sandbox's bounds (template_sandbox.py)."""
 
 from __future__ import annotations
 
-import functools
-import json
-import logging
-import re
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import jinja2
-import jinja2.nodes
-from jinja2.ext import Extension, loopcontrols
-
-from kobold_backend.engine.template_sandbox import BoundedSandbox, render_bounded
+from kobold_backend.engine.chat_jinja import (  # noqa: F401 (TemplateCompileError, compile_template: for callers)
+    TemplateCompileError,
+    TemplateRenderError,
+    compile_template,
+    render,
+)
+from kobold_backend.engine.template_pool import POOL, RenderFailed
 from kobold_backend.engine.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
-
-# Jinja2 releases before 3.1.6 have known sandbox escapes (transformers refuses them for the same reason).
-SAFE_JINJA = (3, 1, 6)
-
-
-class TemplateCompileError(Exception):
-    """The template is not valid Jinja2 (a fault of the model folder or the configured file)."""
-
-
-class TemplateRenderError(Exception):
-    """The template refused these messages (raise_exception, a sandbox violation or a failing expression)."""
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Optional[int] = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    # transformers replaces Jinja's tojson, which escapes HTML characters, by plain json.dumps.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _GenerationBlock(Extension):
-    """transformers' `{% generation %}...{% endgeneration %}` (it marks assistant text for training masks);
-    rendering keeps the body unchanged."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> Any:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        return caller()
-
-
-def _jinja_version() -> tuple:
-    parts = re.findall(r"\d+", jinja2.__version__)[:3]
-    return tuple(int(p) for p in parts)
-
-
-@functools.lru_cache(maxsize=16)
-def compile_template(source: str) -> jinja2.Template:
-    """The template compiled in an immutable sandbox like transformers' (trim_blocks, lstrip_blocks, loop
-    controls, raise_exception, strftime_now, a tojson that does not escape HTML), with each render's work and
-    sizes bounded (template_sandbox.py)."""
-    if _jinja_version() < SAFE_JINJA:
-        log.warning("Jinja2 %s has known sandbox escapes; install Jinja2 >= 3.1.6 before serving untrusted "
-                    "chat templates", jinja2.__version__)
-    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise TemplateCompileError(f"line {e.lineno}: {e.message}") from None
-    except (SyntaxError, RecursionError, MemoryError) as e:  # Python's compiler and Jinja's parser have depth limits
-        raise TemplateCompileError(f"the template nests too deeply ({type(e).__name__}: {e})") from None
 
 
 class ChatFormatter:
     """Renders messages with one template and encodes the result for one tokenizer."""
 
     def __init__(self, source: str, tokenizer: Tokenizer, folder: Optional[Path] = None) -> None:
+        self.source = source
         self.template = compile_template(source)
         self.tokenizer = tokenizer
         self.bos_token = tokenizer.bos_token or ""
@@ -101,17 +33,14 @@ class ChatFormatter:
         """The prompt text: the template with bos_token, eos_token, no tools (what apply_chat_template renders;
         like it, keys whose value is None are dropped from the messages, so `content: null` reads as missing)."""
         messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
+        variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
+                         eos_token=self.eos_token, tools=None, documents=None)
+        input_chars = len(str(messages))
         try:
-            return render_bounded(self.template, len(str(messages)), dict(
-                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
-                eos_token=self.eos_token, tools=None, documents=None))
-        except jinja2.TemplateError as e:
-            raise TemplateRenderError(str(e.message or e)) from None
-        except RecursionError:
-            raise TemplateRenderError("the chat template recursed too deeply") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError, MemoryError) as e:
-            raise TemplateRenderError(f"the chat template failed on these messages ({type(e).__name__}: {e})") \
-                from None
+            text = POOL.render(self.source, variables, input_chars)
+        except RenderFailed as e:
+            raise TemplateRenderError(str(e)) from None
+        return render(self.template, variables, input_chars) if text is None else text
 
     def encode(self, text: str) -> List[int]:
         """Token ids of rendered text: special tokens in it (BOS the template wrote, <|im_start|> ...) are single

@@ -8,7 +8,6 @@ and stops on EOS, length, a stop string or an abort.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -94,14 +93,24 @@ class ChoiceEvent:
     stats: Optional[GenerationStats] = None
 
 
+def _fold(text: str) -> str:
+    """`text` lower-cased character by character, its length kept (a character whose lower case is longer, such as
+    "İ", stays as it is), so offsets into it are offsets into `text`."""
+    lowered = text.lower()
+    if len(lowered) == len(text):
+        return lowered
+    return "".join(c if len(c.lower()) != 1 else c.lower() for c in text)
+
+
 class _TextTracker:
-    """Generated token bytes, what was emitted, and hold-back for stop strings and banned phrases."""
+    """Generated token bytes, what was emitted, and hold-back for stop strings and banned phrases (matched without
+    regard to case; each token looks only at the text a phrase ending in it can cover)."""
 
     def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str], banned: Sequence[str]) -> None:
         self.tokenizer = tokenizer
         self.stops = [s.encode("utf-8") for s in stop_strings if s]
-        self.banned = [re.compile(re.escape(s), re.IGNORECASE) for s in banned if len(s) > 1]
-        self.banned_text = [s.lower() for s in banned if len(s) > 1]
+        self.banned = [_fold(s) for s in banned if len(s) > 1]
+        self.longest = max((len(s) for s in self.banned), default=0)
         self.buf = bytearray()
         self.starts: List[int] = []
         self.emitted = 0
@@ -129,17 +138,23 @@ class _TextTracker:
         return best
 
     def find_banned(self) -> Optional[int]:
-        """Index of the generated token where a completed banned phrase starts, if any."""
-        text = bytes(self.buf[: self.complete_end()]).decode("utf-8", errors="replace")
-        for pattern in self.banned:
-            match = pattern.search(text)
-            if match:
-                byte_at = len(text[: match.start()].encode("utf-8"))
-                for i in range(len(self.starts) - 1, -1, -1):
-                    if self.starts[i] <= byte_at:
-                        return i
-                return 0
-        return None
+        """Index of the generated token where a banned phrase completed by the latest token starts, if any (one
+        completed earlier was found then). Only the last `longest` characters before that token are searched (up
+        to 4 bytes each, and 3 bytes of a character the token may complete), so the work per token is bounded by
+        the phrases, not by the length of the output."""
+        end = self.complete_end()
+        start = max(0, (self.starts[-1] if self.starts else 0) - 4 * self.longest - 3)
+        while start < end and self.buf[start] & 0xC0 == 0x80:
+            start += 1  # a window starts on a whole character
+        text = _fold(bytes(self.buf[start:end]).decode("utf-8", errors="replace"))
+        found = [at for at in (text.find(phrase) for phrase in self.banned) if at >= 0]
+        if not found:
+            return None
+        byte_at = start + len(text[: min(found)].encode("utf-8"))
+        for i in range(len(self.starts) - 1, -1, -1):
+            if self.starts[i] <= byte_at:
+                return i
+        return 0
 
     def safe_end(self) -> int:
         """How far text may be emitted: not into a partial character or a possible stop/banned prefix."""
@@ -151,9 +166,9 @@ class _TextTracker:
                 if tail.endswith(stop[:k]):
                     hold = min(hold, end - k)
                     break
-        if self.banned_text:
-            text = tail.decode("utf-8", errors="replace").lower()
-            for phrase in self.banned_text:
+        if self.banned:
+            text = _fold(tail.decode("utf-8", errors="replace"))
+            for phrase in self.banned:
                 for k in range(min(len(phrase) - 1, len(text)), 0, -1):
                     if text.endswith(phrase[:k]):
                         hold = min(hold, end - len(text[-k:].encode("utf-8")))

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Union
@@ -15,14 +14,16 @@ import torch
 from kobold_backend.engine.tokenizer import Tokenizer
 from kobold_backend.errors import RequestError
 
-log = logging.getLogger(__name__)
-
 MISSING_LIBRARY = "grammar needs the llguidance package: pip install 'kobold-backend[grammar]' (Python >= 3.9)"
 # llguidance marks special tokens with a leading 0xFF byte (never valid UTF-8), so grammar text cannot produce them.
 SPECIAL_MARKER = b"\xff"
 # JSON output as json.dumps writes it: one space after ',' and ':' and nowhere else, so a model cannot wander off
 # into unbounded whitespace; a schema's own "x-guidance" object overrides these.
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# The longest grammar or JSON schema text compiled (checked before llguidance sees it); llguidance bounds the rest
+# (a parser row holds at most 2000 items, lexer and recursion limits), and a grammar that crosses one of those
+# while generating ends the request with GrammarFailed instead of a silent stop.
+MAX_GRAMMAR_CHARS = 1 << 16
 
 _cache_lock = threading.Lock()
 _ll_tokenizers: weakref.WeakKeyDictionary[Tokenizer, Any] = weakref.WeakKeyDictionary()
@@ -85,23 +86,41 @@ def ll_tokenizer(tokenizer: Tokenizer, field: str = "grammar") -> Any:
     return cached
 
 
+class GrammarFailed(RequestError):
+    """The grammar crossed one of llguidance's limits while generating (it cannot go on as the grammar says)."""
+
+
+def _check_size(text: str, field: str) -> None:
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise RequestError(f"{field} has {len(text)} characters; at most {MAX_GRAMMAR_CHARS} are compiled", field)
+
+
 def _schema_text(schema: Union[Dict[str, Any], str]) -> str:
     if isinstance(schema, str):
+        _check_size(schema, "json_schema")
         try:
             schema = json.loads(schema)
         except ValueError as e:
             raise RequestError(f"json_schema is not valid JSON: {e}", "json_schema") from None
+        except RecursionError:
+            raise RequestError("json_schema nests deeper than it can be read", "json_schema") from None
     if not isinstance(schema, (dict, bool)):
         raise RequestError("json_schema must be a JSON object (or a JSON string of one)", "json_schema")
-    return json.dumps(schema)
+    try:
+        text = json.dumps(schema)
+    except RecursionError:
+        raise RequestError("json_schema nests deeper than it can be read", "json_schema") from None
+    _check_size(text, "json_schema")
+    return text
 
 
 class GrammarConstraint:
     """The grammar state of one generation: which tokens may come next; advanced and rolled back with the output.
     One constraint serves one request (it holds that request's position in the grammar)."""
 
-    def __init__(self, matcher: Any, vocab_size: int, eos_ids: Iterable[int]) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, eos_ids: Iterable[int], field: str = "grammar") -> None:
         self._matcher = matcher
+        self.field = field
         self.vocab_size = vocab_size
         self.eos_ids = tuple(eos_ids)
 
@@ -116,6 +135,8 @@ class GrammarConstraint:
             raise RequestError("no grammar given", "grammar")
         field = "grammar" if gbnf is not None else "json_schema"
         llg = _llguidance(field)
+        if gbnf is not None:
+            _check_size(gbnf, "grammar")
         try:
             if gbnf is not None:
                 grammar = llg.grammar_from("gbnf", gbnf)
@@ -130,12 +151,12 @@ class GrammarConstraint:
             raise RequestError(f"invalid {field}: {problem}", field)
         matcher = llg.LLMatcher(lt, grammar, log_level=0)
         if matcher.is_error():
-            raise RequestError(f"invalid {field}: {matcher.get_error()}", field)
-        return cls(matcher, tokenizer.vocab_size, tokenizer.eos_ids)
+            raise RequestError(f"invalid {field}: {_first_line(matcher.get_error())}", field)
+        return cls(matcher, tokenizer.vocab_size, tokenizer.eos_ids, field)
 
     def copy(self) -> GrammarConstraint:
         """An independent constraint at the same position (for another completion of the same request)."""
-        return GrammarConstraint(self._matcher.deep_copy(), self.vocab_size, self.eos_ids)
+        return GrammarConstraint(self._matcher.deep_copy(), self.vocab_size, self.eos_ids, self.field)
 
     def allowed_mask(self, device: Union[torch.device, str] = "cpu", size: Optional[int] = None) -> torch.Tensor:
         """Bool [size or vocab_size]: True where the token may come next (EOS only when the grammar is complete).
@@ -161,9 +182,11 @@ class GrammarConstraint:
         return torch.where(mask.to(logits.device), logits, float("-inf"))
 
     def accept(self, token_id: int) -> None:
-        """Advance the grammar by one generated token."""
-        if not self._matcher.consume_token(int(token_id)):
-            log.warning("grammar rejected token %d: %s", token_id, self._matcher.get_error())
+        """Advance the grammar by one generated token; GrammarFailed (one line) when that put the matcher into its
+        error state, such as a grammar crossing llguidance's limits."""
+        if not self._matcher.consume_token(int(token_id)) or self._matcher.is_error():
+            raise GrammarFailed(f"The {self.field} cannot be followed: {_first_line(self._matcher.get_error())}",
+                                self.field)
 
     def rollback(self, n: int) -> None:
         """Forget the last n accepted tokens (banned-phrase rewinds)."""
@@ -182,3 +205,8 @@ class GrammarConstraint:
     def error(self) -> str:
         """llguidance's message when a rejected token put the grammar into its error state, else ""."""
         return str(self._matcher.get_error())
+
+
+def _first_line(message: str) -> str:
+    """llguidance's errors go on with a dump of the parser state (one line per item): the first line says it."""
+    return (str(message).strip().splitlines() or ["unknown error"])[0][:300]

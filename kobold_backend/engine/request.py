@@ -21,13 +21,16 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 from kobold_backend.engine.sampling import SamplerSettings
-from kobold_backend.errors import OutOfContextError
+from kobold_backend.errors import OutOfContextError, RequestError
 
 if TYPE_CHECKING:
     from kobold_backend.engine.passthrough.base import ForwardHooks
 
 MAX_SEED = 2**64 - 1
 PROMPT_RESERVE = 16  # tokens the prompt keeps at least (fewer in contexts under 20 tokens)
+# Stop strings and banned phrases are matched against the output at every token: their number and length are bounded.
+MAX_MATCH_STRINGS = 64
+MAX_MATCH_CHARS = 512
 
 
 @dataclass
@@ -54,6 +57,15 @@ class GenerationRequest:
     grammar: Optional[Any] = None  # engine.grammar.GrammarConstraint: one per request, it holds the grammar state
     logprobs: Optional[int] = None  # report log p of each generated token and its N most likely alternatives
     n: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("stop_strings", "banned_strings"):
+            strings = getattr(self, name)
+            if len(strings) > MAX_MATCH_STRINGS:
+                raise RequestError(f"{name} has {len(strings)} strings (at most {MAX_MATCH_STRINGS})", name)
+            for i, text in enumerate(strings):
+                if len(text) > MAX_MATCH_CHARS:
+                    raise RequestError(f"{name}[{i}] has {len(text)} characters (at most {MAX_MATCH_CHARS})", name)
 
     def choices(self) -> List[GenerationRequest]:
         """The n single completions: completion i has seed + i (modulo 2^64; a random first seed when none was

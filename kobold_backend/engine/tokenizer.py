@@ -13,10 +13,40 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from kobold_backend.engine import tokenizer_compat
+from kobold_backend.engine.chat_jinja import TemplateCompileError, compile_template
 from kobold_backend.engine.tokenizer_config import AddedTokenSpec, TokenizerConfig, read_tokenizer_config
-from kobold_backend.errors import ModelFormatError
+from kobold_backend.errors import ModelFormatError, RequestError
 
 log = logging.getLogger(__name__)
+
+# The most characters of request text tokenized in one piece (about 500,000 tokens, more than any context holds).
+MAX_TOKENIZE_CHARS = 1 << 21
+# Texts longer than this are tokenized with Python's GIL released (encode_batch), so other threads keep running.
+GIL_FREE_CHARS = 1 << 14
+
+
+class TokenizerFailed(RequestError):
+    """The model's tokenizer failed on this text (its regex gave up, a panic inside the tokenizers library): the
+    model's fault for this input, answered 422."""
+
+
+def check_tokenize_size(text: str, field: str = "prompt") -> None:
+    """RequestError (before any work) when `text` is longer than MAX_TOKENIZE_CHARS."""
+    if len(text) > MAX_TOKENIZE_CHARS:
+        raise RequestError(f"{field} has {len(text)} characters; at most {MAX_TOKENIZE_CHARS} are tokenized at once.",
+                           field)
+
+
+def _tokenizer_call(func: Any, *args: Any, **kwargs: Any) -> Any:
+    """`func(*args)` of the tokenizers library, its Rust panics (pyo3's PanicException is a BaseException, not an
+    Exception: an onig regex over its backtracking limit, a bad pre-tokenizer) raised as TokenizerFailed."""
+    try:
+        return func(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - only PanicException is turned into an error, the rest re-raised
+        if type(e).__name__ != "PanicException":
+            raise
+        first = (str(e).strip().splitlines() or ["a panic"])[0][:200]
+        raise TokenizerFailed(f"The model's tokenizer failed on this text ({first}).", "prompt") from None
 
 
 def _bytes_to_unicode() -> Dict[int, str]:
@@ -253,8 +283,8 @@ class FastTokenizer(Tokenizer):
         if self.tok.post_processor is None:
             return (), ()
         probe = "a"
-        plain = list(self.tok.encode(probe, add_special_tokens=False).ids)
-        full = list(self.tok.encode(probe, add_special_tokens=True).ids)
+        plain = list(_tokenizer_call(self.tok.encode, probe, add_special_tokens=False).ids)
+        full = list(_tokenizer_call(self.tok.encode, probe, add_special_tokens=True).ids)
         for start in range(len(full) - len(plain) + 1):
             if full[start:start + len(plain)] == plain:
                 return tuple(full[:start]), tuple(full[start + len(plain):])
@@ -279,13 +309,16 @@ class FastTokenizer(Tokenizer):
         return piece.replace("\u2581", " ").encode("utf-8")
 
     def _encode(self, text: str) -> List[int]:
-        return list(self.tok.encode(text, add_special_tokens=False).ids)
+        if len(text) > GIL_FREE_CHARS:
+            return list(_tokenizer_call(self.tok.encode_batch, [text], add_special_tokens=False)[0].ids)
+        return list(_tokenizer_call(self.tok.encode, text, add_special_tokens=False).ids)
 
     def decode_strips_prefix_space(self) -> bool:
         return not self.byte_level and self.adds_prefix_space()
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self.tok.decode([i for i in self._valid(ids) if i not in self.special], skip_special_tokens=True)
+        return _tokenizer_call(self.tok.decode, [i for i in self._valid(ids) if i not in self.special],
+                               skip_special_tokens=True)
 
     def token_bytes(self, token_id: int) -> bytes:
         if 0 <= token_id < self.vocab_size:
@@ -326,7 +359,7 @@ def _from_tokenizer_json(path: Path, config: TokenizerConfig, bos_id: Optional[i
         spec = json.loads(path.read_text(encoding="utf-8"))
         if config.add_prefix_space is not None:
             _set_byte_level_prefix(spec, config.add_prefix_space)
-        backend = tokenizer_compat.from_spec(spec)
+        backend = _tokenizer_call(tokenizer_compat.from_spec, spec)
     except Exception as exc:
         raise ModelFormatError(f"{path} is not a readable tokenizer.json ({exc}).") from None
     if config.tokenizer_class in LLAMA_CLASSES and _sentencepiece_like(spec):
@@ -429,6 +462,11 @@ def load_tokenizer(
         tokenizer = _from_sentencepiece(folder / "tokenizer.model", config, bos_id, eos_ids)
     else:
         raise ModelFormatError(f"{folder} has no tokenizer (expected tokenizer.json or tokenizer.model).")
+    if config.chat_template is not None:
+        try:
+            compile_template(config.chat_template)
+        except TemplateCompileError as e:
+            raise ModelFormatError(f"{folder}: the chat template does not compile ({e}).") from None
     tokenizer.chat_template = config.chat_template
     return tokenizer
 

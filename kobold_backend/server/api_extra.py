@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator, List
 
 from flask import Blueprint, Response, jsonify, stream_with_context
 
 from kobold_backend import __version__
+from kobold_backend.engine.tokenizer import check_tokenize_size
 from kobold_backend.server import passthrough, sse
 from kobold_backend.server.errors import BadJson
 from kobold_backend.server.generation import generation_job
@@ -18,6 +19,7 @@ from kobold_backend.server.state import client_disconnected, get_state, read_jso
 KOBOLDCPP_VERSION = "1.76"
 # How long a tokencount waits for the one tokenizing slot before it is answered 503.
 TOKENIZE_WAIT_SECONDS = 30.0
+IDS_PER_PIECE = 8192
 
 bp = Blueprint("api_extra", __name__)
 
@@ -110,6 +112,7 @@ def tokencount() -> Any:
         return jsonify({"value": -1, "ids": []}), 400
     state = get_state()
     tokenizer = state.require_model().tokenizer
+    check_tokenize_size(body["prompt"])
     # Tokenizing runs on the request thread, outside the generation queue: one at a time bounds the memory and
     # CPU a client can take with large texts (a 30 MB text takes seconds and over a GB while it is counted).
     if not state.tokenize_slot.acquire(timeout=TOKENIZE_WAIT_SECONDS):
@@ -120,7 +123,16 @@ def tokencount() -> Any:
         state.tokenize_slot.release()
     if body.get("special", True) is not False:
         ids = [int(i) for i in tokenizer.prefix_ids] + ids
-    return jsonify({"value": len(ids), "ids": ids})
+    return Response(_token_json(ids), mimetype="application/json")
+
+
+def _token_json(ids: List[int]) -> Iterator[str]:
+    """{"value": n, "ids": [...]} in pieces of IDS_PER_PIECE ids: one json.dumps of a million ids would hold
+    Python's GIL for its whole length, and every other request thread with it."""
+    yield f'{{"value": {len(ids)}, "ids": ['
+    for start in range(0, len(ids), IDS_PER_PIECE):
+        yield ("," if start else "") + ",".join(map(str, ids[start:start + IDS_PER_PIECE]))
+    yield "]}"
 
 
 @bp.post("/detokenize")

@@ -12,6 +12,7 @@ from flask import Flask, request
 
 from kobold_backend.server.config import ServerConfig
 from kobold_backend.server.errors import Unauthorized, error_response
+from kobold_backend.server.openai_schemas import OpenAIError
 
 # Routes a client may call without the key: discovery (is the server protected?) and the API description.
 PUBLIC_SUFFIXES = ("/api/extra/version", "/info/version", "/info/version/latest", "/info/version/list",
@@ -63,6 +64,11 @@ def cross_site_simple(method: str, path: str, content_type: str, headers: Any) -
     return content_type.split(";", 1)[0].strip().lower() != "application/json" and CUSTOM_HEADER not in headers
 
 
+def is_openai_path(path: str) -> bool:
+    """/v1 and every path under it (answered in OpenAI's shapes, whether a route matches it or not)."""
+    return path == "/v1" or path.startswith("/v1/")
+
+
 def _needs_key(path: str) -> bool:
     if not (path.startswith("/api/") or path.startswith("/ui/")):
         return False
@@ -92,7 +98,7 @@ def install_auth_and_cors(app: Flask, config: ServerConfig) -> None:
     def _check_host_and_origin() -> Any:
         if not host_allowed(config.host, request.headers.get("Host", "")):
             msg = "This server answers only to localhost names on a loopback bind (Host header refused)."
-            if request.path.startswith("/v1/"):
+            if is_openai_path(request.path):
                 return error_response(403, {"error": {"message": msg, "type": "invalid_request_error",
                                                       "param": None, "code": "forbidden"}})
             return error_response(403, {"detail": {"msg": msg, "type": "forbidden"}})
@@ -104,7 +110,11 @@ def install_auth_and_cors(app: Flask, config: ServerConfig) -> None:
 
     @app.before_request
     def _check_key() -> Any:
-        if config.api_key and request.method != "OPTIONS" and _needs_key(request.path):
+        if config.api_key and request.method != "OPTIONS" and is_openai_path(request.path):
+            if not key_ok(config.api_key):  # every /v1 path, routed or not, in OpenAI's shape
+                body = OpenAIError("Incorrect API key provided.", 401, None, "invalid_api_key").body()
+                return error_response(401, body, {"WWW-Authenticate": "Bearer"})
+        elif config.api_key and request.method != "OPTIONS" and _needs_key(request.path):
             if not key_ok(config.api_key):
                 e = Unauthorized()
                 return error_response(e.status, e.body(), {"WWW-Authenticate": "Bearer"})

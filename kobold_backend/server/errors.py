@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, Optional
 
-from flask import Flask, Response, jsonify
+from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from kobold_backend.errors import OutOfContextError, RequestError
@@ -92,6 +92,10 @@ def register_error_handlers(app: Flask) -> None:
     def _http(e: HTTPException) -> Any:
         code = e.code or 500
         headers = {k: v for k, v in e.get_headers() if k.lower() != "content-type"}
+        if request.path == "/v1" or request.path.startswith("/v1/"):  # a /v1 path no route matched
+            from kobold_backend.server.openai_schemas import OpenAIError
+
+            return error_response(code, OpenAIError(e.description or e.name, code).body(), headers)
         body = {"detail": {"msg": e.description or e.name, "type": f"generic.error_{code}"}}
         return error_response(code, body, headers)
 

@@ -16,9 +16,11 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from kobold_backend.engine.chat_template import ChatFormatter, TemplateCompileError, TemplateRenderError
 from kobold_backend.engine.request import GenerationRequest, resolve_seed
+from kobold_backend.engine.template_pool import RendererBusy
+from kobold_backend.engine.tokenizer import TokenizerFailed
 from kobold_backend.errors import OutOfContextError, RequestError
 from kobold_backend.server import passthrough, sse
-from kobold_backend.server.auth import ALLOWED_HEADERS, add_cors_headers, key_ok
+from kobold_backend.server.auth import ALLOWED_HEADERS, add_cors_headers
 from kobold_backend.server.engine_holder import ActiveModel
 from kobold_backend.server.errors import BUSY_MESSAGE, ApiError
 from kobold_backend.server.logprobs import chat_logprobs, completion_logprobs, kobold_logprobs
@@ -86,16 +88,7 @@ class Meta:
     include_usage: bool
 
 
-# -- key, CORS and errors --------------------------------------------------------------------------------------
-
-@bp.before_request
-def _check_key() -> Any:
-    key = get_state().config.api_key
-    if key and request.method != "OPTIONS" and not key_ok(key):
-        return _error_response(OpenAIError("Incorrect API key provided.", 401, None, "invalid_api_key",
-                                           {"WWW-Authenticate": "Bearer"}))
-    return None
-
+# -- CORS and errors (auth.py checks the key of every /v1 path) --------------------------------------------------
 
 @bp.after_request
 def _cors(resp: Any) -> Any:
@@ -122,9 +115,13 @@ def as_openai_error(e: BaseException) -> OpenAIError:
     if isinstance(e, TemplateRenderError):
         return OpenAIError(f"The chat template rejected the messages: {e}", 400, "messages", "chat_template_error")
     if isinstance(e, TemplateCompileError):
-        return OpenAIError(f"The chat template does not compile: {e}", 500, None, "chat_template_error")
+        return OpenAIError(f"The chat template does not compile: {e}", 422, None, "chat_template_error")
+    if isinstance(e, RendererBusy):
+        return OpenAIError(str(e), 503, None, "server_busy", {"Retry-After": "1"})
     if isinstance(e, OutOfContextError):
         return OpenAIError(str(e), 400, "prompt", "context_length_exceeded")
+    if isinstance(e, TokenizerFailed):
+        return OpenAIError(str(e), 422, e.field, "tokenizer_error")
     if isinstance(e, RequestError):
         return OpenAIError(str(e), 400, e.field)
     if isinstance(e, ApiError):
@@ -204,13 +201,14 @@ def _plan(state: ServerState, active: ActiveModel, req: OpenAIRequest) -> List[P
     prompt: sampler_seed/seed, or a random one)."""
     params = req.params
     if req.chat:
-        from kobold_backend.engine.tokenizer import surely_longer_than
+        from kobold_backend.engine.tokenizer import check_tokenize_size, surely_longer_than
 
         formatter = _formatter(state, active)
         text = formatter.render(req.messages)
         if surely_longer_than(active.tokenizer, text, active.max_context):
             raise OpenAIError(f"This model's context holds {active.max_context} tokens; the messages take more.",
                               400, "messages", "context_length_exceeded")
+        check_tokenize_size(text, "messages")
         ids = formatter.encode(text)
         prompts = [prompt_and_length(params, ids, active.tokenizer, active.max_context, chat=True)]
     else:

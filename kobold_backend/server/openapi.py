@@ -146,12 +146,12 @@ def _kobold_paths() -> Dict[str, Any]:
 
 
 def _openai_paths() -> Dict[str, Any]:
-    stream = {"description": "With stream=true: `data: {chunk}` events, then `data: [DONE]`",
-              "content": {"text/event-stream": {"schema": STR}}}
-
     def generation(kind: str) -> Dict[str, Any]:
+        # With stream=true: `data: {chunk}` events (x-sse-data: each event's JSON), then `data: [DONE]`; an error
+        # after the first event is one `data: {"error": ...}` event before [DONE].
         answer = _json(_ref(f"{kind}Output"))
-        answer["content"].update(stream["content"])
+        answer["content"]["text/event-stream"] = {"schema": STR, "x-sse-data": {
+            "oneOf": [_ref(f"{kind}Chunk"), _ref("OpenAIError")]}}
         return dict(V1_ERR, **{"200": answer})
 
     model_404 = dict(V1_ERR, **{"200": _json(_ref("ModelCard")), "404": _json(_ref("OpenAIError"), "No such model")})
@@ -173,6 +173,9 @@ def _output_schemas() -> Dict[str, Any]:
                  ["prompt_tokens", "completion_tokens", "total_tokens"])
     finish = {"type": "string", "enum": ["stop", "length"]}
     head = {"id": STR, "object": STR, "created": INT, "model": STR}
+    chunk_finish = dict(finish, nullable=True)
+    chunk_usage = dict(usage, nullable=True)
+    nullable = {"type": "object", "nullable": True}
     return {
         "GenerationOutput": _obj({"results": {"type": "array", "items": _obj({
             "text": STR, "finish_reason": finish, "prompt_tokens": INT, "completion_tokens": INT,
@@ -205,6 +208,16 @@ def _output_schemas() -> Dict[str, Any]:
                                           ["role", "content"]),
             "logprobs": {"nullable": True}, "finish_reason": finish}, ["index", "message", "finish_reason"])},
             usage=usage), ["id", "object", "created", "model", "choices", "usage"]),
+        "CompletionChunk": _obj(dict(head, object={"type": "string", "enum": ["text_completion"]}, choices={
+            "type": "array", "items": _obj({"text": STR, "index": INT, "logprobs": nullable,
+                                            "finish_reason": chunk_finish},
+                                           ["text", "index", "logprobs", "finish_reason"])}, usage=chunk_usage),
+            ["id", "object", "created", "model", "choices"]),
+        "ChatCompletionChunk": _obj(dict(head, object={"type": "string", "enum": ["chat.completion.chunk"]}, choices={
+            "type": "array", "items": _obj({"index": INT, "delta": _obj({
+                "role": {"type": "string", "enum": ["assistant"]}, "content": STR}), "logprobs": nullable,
+                "finish_reason": chunk_finish}, ["index", "delta", "logprobs", "finish_reason"])}, usage=chunk_usage),
+            ["id", "object", "created", "model", "choices"]),
     }
 
 

@@ -81,7 +81,8 @@ FIELDS: Tuple[Field, ...] = (
     F("sampler_seed", "integer", -1, "Seed of the sampler's RNG; -1 = random.", minimum=-1, maximum=MAX_SEED),
     F("sampler_full_determinism", "boolean", False, "Accepted; every seeded request is deterministic here.",
       used=False),
-    F("stop_sequence", "string_list", (), "Stop strings (at most 32 are used).", max_items=MAX_STOP_SEQUENCES),
+    F("stop_sequence", "string_list", (), "Stop strings (at most 32 are used, each at most 512 characters).",
+      max_items=MAX_STOP_SEQUENCES),
     F("trim_stop", "boolean", False, "Cut the stop string (and what follows) from the output."),
     F("use_default_badwordsids", "boolean", False, "Ban the end-of-sequence token.",
       aliases=("ban_eos_token",)),
@@ -102,7 +103,8 @@ FIELDS: Tuple[Field, ...] = (
     K("smoothing_factor"),
     K("logit_bias"),
     F("custom_token_bans", "string", "", "Comma-separated token ids that may not be generated."),
-    F("banned_tokens", "string_list", (), "Strings that may not appear in the output (at most 48).",
+    F("banned_tokens", "string_list", (), "Strings that may not appear in the output (at most 48, each at most 512 "
+      "characters).",
       aliases=("banned_strings",), max_items=MAX_BANNED_STRINGS),
     F("negative_prompt", "string", "", "Classifier-free guidance: text whose continuation is steered away from "
       "(used when guidance_scale != 1)."),
@@ -114,9 +116,10 @@ FIELDS: Tuple[Field, ...] = (
       maximum=64),
     F("genkey", "string", "", "Client handle for /api/extra/generate/check and /api/extra/abort."),
     F("grammar", "string", "", "GBNF (or Lark) grammar the output must match; EOS only once it is complete. "
-      "Needs the llguidance package; an invalid grammar is a 422 with the parser's message."),
+      "Needs the llguidance package; an invalid grammar is a 422 with the parser's message. At most 65536 "
+      "characters."),
     F("json_schema", "schema", None, "JSON schema (an object or a JSON string) the output must match, as in "
-      "TabbyAPI; not together with grammar."),
+      "TabbyAPI; not together with grammar. At most 65536 characters as JSON."),
     F("grammar_retain_state", "boolean", False, "Accepted and ignored (each request starts the grammar afresh).",
       used=False),
     F("images", "any_list", (), "Accepted and ignored (no vision support).", used=False),
@@ -214,7 +217,7 @@ def _string_list(f: Field, value: Any) -> Tuple[str, ...]:
     if isinstance(value, str) and f.name == "dry_sequence_breakers":
         try:
             value = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ValueError("Not a valid list or JSON string of a list.") from None
     elif isinstance(value, str):
         value = [value]

@@ -40,6 +40,9 @@ def parse_sequence_breakers(value: Union[str, Sequence[str], None]) -> Tuple[str
             value = json.loads(value)
         except ValueError as exc:
             raise RequestError("dry_sequence_breakers is not valid JSON", "dry_sequence_breakers") from exc
+        except RecursionError:
+            raise RequestError("dry_sequence_breakers nests too deeply to be a list of strings",
+                               "dry_sequence_breakers") from None
         if isinstance(value, str):
             value = [value]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):

@@ -26,10 +26,20 @@ def smooth(c: Candidates, factor: float) -> None:
     c.vals = h - factor * (c.vals - h).square()
 
 
+def divide(vals: torch.Tensor, temp: float) -> torch.Tensor:
+    """`vals / temp`; where that overflows float32 (a temperature such as 1e-300), the logits are first shifted so
+    that the largest is 0: the same distribution (the top tokens share it), with no inf - inf to make NaN."""
+    out = vals / temp
+    overflow = (torch.isinf(out) & torch.isfinite(vals)).any()
+    top = vals.max()
+    shifted = torch.where(vals == top, torch.zeros_like(vals), (vals - top) / temp)
+    return torch.where(overflow, shifted, out)
+
+
 def temperature(c: Candidates, temp: float, smoothing_factor: float) -> None:
     """Divide by the temperature, then smooth when smoothing_factor > 0 (temp must be > 0)."""
     if temp != 1.0:
-        c.vals = c.vals / temp
+        c.vals = divide(c.vals, temp)
     if smoothing_factor > 0.0:
         smooth(c, smoothing_factor)
 
