@@ -20,6 +20,7 @@ from kobold_backend.engine.gguf.checkpoint import open_gguf
 from kobold_backend.engine.gguf.weights import GGUFWeights
 from kobold_backend.engine.gptq import load_gptq_linear
 from kobold_backend.engine.mlp_fold import fold_down_permutation
+from kobold_backend.engine.model_files import is_gguf_file
 from kobold_backend.engine.model import Layer, Model, Weight
 from kobold_backend.engine.rope import cos_sin_tables
 from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
@@ -123,7 +124,7 @@ def load_model(
     folder = Path(path)
     cache_schemes(cache_dtype)
     reader: Union[WeightReader, GGUFWeights]
-    if folder.suffix == ".gguf" and folder.is_file():
+    if is_gguf_file(folder):
         config, tokenizer, reader = open_gguf(folder, with_tokenizer)
     else:
         config = ModelConfig.from_dir(folder)
@@ -192,7 +193,7 @@ def _attach_speculation(lm: LoadedModel, mode: str, draft_model: Optional[Union[
 def _draft_tokenizer(folder: Path) -> Tokenizer:
     """The draft model's tokenizer alone (no weights read), for the check before anything is loaded."""
     try:
-        if folder.suffix == ".gguf" and folder.is_file():
+        if is_gguf_file(folder):
             tokenizer = open_gguf(folder, True)[1]
         else:
             config = ModelConfig.from_dir(folder)
