@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from kobold_backend.engine.config_types import (  # noqa: F401  (RopeScaling, EXL2_QUANT: imported from here too)
-    CONFIG_BOUNDS,
+    config_range,
     EXL2_QUANT,
     ConfigData,
     Features,
@@ -131,7 +131,8 @@ class ModelConfig(ConfigData):
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             vocab_size=vocab,
-            rms_norm_eps=number(raw.get("rms_norm_eps", raw.get("layer_norm_eps", 1e-6)), "rms_norm_eps", where),
+            rms_norm_eps=number(raw.get("rms_norm_eps", raw.get("layer_norm_eps", 1e-6)), "rms_norm_eps", where,
+                                positive=True),
             rope_theta=rope_theta(raw, where=where),
             rope_scaling=parse_rope_scaling(raw, rope_settings(raw), head_dim, where),
             max_position_embeddings=max_pos,
@@ -163,8 +164,9 @@ def _complete(features: Features, config: ModelConfig) -> Features:
 
 
 def _check_bound(where: str, key: str, value: int) -> None:
-    if not 1 <= value <= CONFIG_BOUNDS[key]:
-        raise ModelFormatError(f"{where}: {key} {value} is outside 1..{CONFIG_BOUNDS[key]}; config.json is not a "
+    low, high = config_range(key)
+    if not low <= value <= high:
+        raise ModelFormatError(f"{where}: {key} {value} is outside {low}..{high}; config.json is not a "
                                "model this engine can load.")
 
 

@@ -368,8 +368,8 @@ def load_options(
     main = next((d for d in layer_devices if d != "cpu"), "cpu")
     ctx = _ctx_range(config.max_position_embeddings)
     max_ctx = _as_int(values.get("max_ctx", ctx["default"]), "max_ctx")
-    if max_ctx < 1:
-        raise RequestError("max_ctx must be at least 1", "max_ctx")
+    if max_ctx < 2:
+        raise RequestError("max_ctx must be at least 2", "max_ctx")
     compress = _as_float(values.get("compress_emb", 1.0), "compress_emb")
     alpha = _as_float(values.get("ntk_alpha", 1.0), "ntk_alpha")
     if compress <= 0:
