@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
+from kobold_backend.engine.model_files import is_gguf_file, is_model_file
 from kobold_backend.errors import ModelFormatError, RequestError
 from kobold_backend.server.errors import ApiError
 from kobold_backend.server.queue import Job
@@ -50,9 +51,13 @@ def resolve_model(models_dir: Path, name: object) -> Path:
         raise ApiError("The model name is not a valid path.", 422, "bad_input") from None
     if os.path.commonpath([root, candidate]) != root or candidate == root:
         raise ApiError("The model path must name a folder inside the models folder.", 403, "forbidden")
-    if candidate.endswith(".gguf") and os.path.isfile(candidate):
-        return Path(candidate)
-    if not os.path.isfile(os.path.join(candidate, "config.json")):
+    try:  # a FIFO, device or socket in place of the file is refused by name, never opened (engine/model_files.py)
+        if is_gguf_file(candidate):
+            return Path(candidate)
+        found = is_model_file(os.path.join(candidate, "config.json"))
+    except ModelFormatError as e:
+        raise ApiError(f"Loading {name} failed: {e}", 422, "load_error") from None
+    if not found:
         raise ApiError(f"No model folder or .gguf file named {name!r} in the models folder.", 404, "key_error")
     return Path(candidate)
 
