@@ -28,6 +28,7 @@ GREEDY = {"prompt": "Hello there", "max_length": 4, "temperature": 1.0, "top_k":
 ANSWER_S = 2.0
 OTHER_ROUTE_S = 1.0
 EXTRA_MB = 256
+KEPT_MB = 48
 
 
 def _copy(good: Path, folder: Path, config: Any = None, drop: Tuple[str, ...] = ()) -> Path:
@@ -237,8 +238,11 @@ def test_a_model_without_a_tokenizer_never_replaces_the_served_one(served: Any) 
 
 
 def test_oversized_safetensors_headers_are_refused_cheaply(served: Any) -> None:
-    _, _, models, good, _ = served
+    """Refused before the header is parsed (its length), or right after (its tensor count), and what the refusals
+    took is given back: the server keeps no more than KEPT_MB of it."""
+    proc, _, models, good, _ = served
     folder = _copy(good, models / "header")
+    kept = _rss_mb(proc.pid)[0]
     _header(folder, {"a": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}}, declared=60 << 20)
     status, text = refused(served, put_model("header"))
     assert status == 422 and "header length 62914560 is larger than the file" in text, text
@@ -250,6 +254,7 @@ def test_oversized_safetensors_headers_are_refused_cheaply(served: Any) -> None:
     _header(folder, many)
     status, text = refused(served, put_model("header"))
     assert status == 422 and "model.safetensors lists 70000 tensors, more than the 65536" in text, text
+    assert _rss_mb(proc.pid)[0] - kept < KEPT_MB
 
 
 @pytest.mark.parametrize("field,value", [("max_ctx", "inf"), ("max_ctx", "nan"), ("ntk_alpha", "inf"),
@@ -277,3 +282,75 @@ def test_the_cli_refuses_a_fifo_with_one_line(served: Any) -> None:
     assert done.returncode == 1 and lines and "model.safetensors is a FIFO (named pipe)" in lines[-1], done.stderr
     assert "Traceback" not in done.stderr
     assert time.monotonic() - start < 30  # the interpreter and torch start first; the refusal itself is instant
+
+
+LONG_PIECES, PIECE_CHARS = 700, 20_000
+
+
+def _long_piece_gguf(hf: Path, out: Path) -> Path:
+    """The fixture model as a GGUF file whose SPM vocabulary has 700 pieces of 20,000 characters (14 MB of text),
+    written in place of its last ordinary pieces (the issue's file: 64 s to load over HTTP before)."""
+    import gguf
+    import sentencepiece
+
+    from tests.fixtures import gguf_files
+
+    def vocab(writer: gguf.GGUFWriter, folder: Path) -> None:
+        sp = sentencepiece.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+        types = [gguf_files.sentencepiece_token_type(sp, i) for i in range(sp.get_piece_size())]
+        pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+        ordinary = [i for i, t in enumerate(types) if t == gguf.TokenType.NORMAL][-LONG_PIECES:]
+        for n, i in enumerate(ordinary):
+            pieces[i] = chr(0x4E00 + n) * PIECE_CHARS
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(pieces)
+        writer.add_token_scores([sp.get_score(i) for i in range(len(pieces))])
+        writer.add_token_types(types)
+        writer.add_bos_token_id(sp.bos_id())
+        writer.add_eos_token_id(sp.eos_id())
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_files, "_sentencepiece_vocab", vocab)
+        gguf_files.write_gguf(hf, out, {"*": "F32"})
+    return out / "model.gguf"
+
+
+def test_a_gguf_with_long_pieces_loads_in_seconds_while_the_old_model_serves(served: Any, tmp_path: Path) -> None:
+    """The vocabulary's merges cost what its pieces weigh (not their squared length), and the switch's checks run
+    while the old model keeps generating: only the swap of the weights themselves answers 503 "is loading"; the
+    new model then answers. The old one is loaded back afterwards."""
+    proc, url, models, good, expected = served
+    shutil.copy(_long_piece_gguf(good, tmp_path / "long"), models / "long.gguf")
+    assert (models / "long.gguf").stat().st_size > 14_000_000
+    answers: List[Tuple[int, float, float, str]] = []
+
+    def generate() -> None:
+        while not done.is_set():
+            start = time.monotonic()
+            resp = requests.post(url + "/api/v1/generate", json=GREEDY, timeout=60)
+            answers.append((resp.status_code, start, time.monotonic(), resp.text))
+
+    done = threading.Event()
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.1)
+        start = time.monotonic()
+        resp = put_model("long.gguf")(url)
+        took = time.monotonic() - start
+    finally:
+        done.set()
+        thread.join(timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert took < 10.0, f"the load took {took:.1f} s"
+    assert all(end - begin < OTHER_ROUTE_S for _, begin, end, _ in answers), answers
+    old = [a for a in answers if a[0] == 200 and json.loads(a[3]) == expected and a[1] > start]
+    busy = [a for a in answers if a[0] != 200]
+    assert old, "the old model did not answer while the new one was checked"
+    assert all(a[0] == 503 and "The model long.gguf is loading" in a[3] for a in busy), busy
+    if busy:
+        assert busy[-1][2] - busy[0][1] < OTHER_ROUTE_S, "the swap itself kept generation out for long"
+    assert requests.get(url + "/api/v1/model", timeout=10).json()["result"] == "kobold_backend/long.gguf"
+    assert requests.post(url + "/api/v1/generate", json=GREEDY, timeout=30).status_code == 200
+    assert put_model("good")(url).status_code == 200
+    assert requests.post(url + "/api/v1/generate", json=GREEDY, timeout=30).json() == expected
