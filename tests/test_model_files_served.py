@@ -221,6 +221,27 @@ def test_config_values_that_cannot_work_are_422_naming_the_key(served: Any, conf
     assert status == 422 and message in text, text
 
 
+@pytest.mark.parametrize("key,value,message", [
+    ("llama.rope.freq_base", 0.0, "metadata llama.rope.freq_base is float '0.0'; a finite number above 0"),
+    ("llama.attention.layer_norm_rms_epsilon", -1.0, "metadata llama.attention.layer_norm_rms_epsilon is float "
+     "'-1.0'; a finite number above 0"),
+    ("llama.attention.layer_norm_rms_epsilon", 0.0, "metadata llama.attention.layer_norm_rms_epsilon is float "
+     "'0.0'; a finite number above 0"),
+    ("llama.context_length", 1, "metadata llama.context_length is int '1'; a whole number from 2 to"),
+])
+def test_the_same_values_are_refused_in_a_gguf_file(served: Any, key: str, value: Any, message: str) -> None:
+    """config.json's and a GGUF file's values are held to one rule (config_types: positive floats, sizes)."""
+    import gguf
+
+    from tests.fixtures import fuzz_files as ff
+
+    _, _, models, _, _ = served
+    kind = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
+    (models / "values.gguf").write_bytes(ff.gguf_seed("llama", {key: (value, kind)}))
+    status, text = refused(served, put_model("values.gguf"))
+    assert status == 422 and message in text, text
+
+
 def test_a_chat_template_that_does_not_compile_is_refused_at_load(served: Any) -> None:
     _, _, models, good, _ = served
     (_copy(good, models / "template") / "chat_template.jinja").write_text("{% for %}")
