@@ -124,7 +124,7 @@ def spm_merges(vocab: GGUFVocab, where: str = "the GGUF file") -> List[str]:
             work += size + _SPLIT_COST
             if work > MAX_MERGE_WORK:
                 raise ModelFormatError(f"{where}: tokenizer.ggml.tokens holds pieces whose splits would take more "
-                                       f"than {MAX_MERGE_WORK >> 20} M steps to turn into merges; it is not a "
+                                       f"than {MAX_MERGE_WORK} steps to turn into merges; it is not a "
                                        "vocabulary this engine converts.")
             if piece[:cut] in ids and piece[cut:] in ids:
                 ranked.append((-scores[piece_id], piece_id, cut, piece[:cut] + " " + piece[cut:]))
