@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from kobold_backend.engine.config_types import (  # noqa: F401  (RopeScaling, EXL2_QUANT: imported from here too)
-    config_range,
     EXL2_QUANT,
     ConfigData,
     Features,
     QuantConfig,
     RopeScaling,
     RopeSpec,
+    config_range,
     number,
     parse_rope_scaling,
     rope_settings,

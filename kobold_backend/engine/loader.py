@@ -20,8 +20,8 @@ from kobold_backend.engine.gguf.checkpoint import open_gguf
 from kobold_backend.engine.gguf.weights import GGUFWeights
 from kobold_backend.engine.gptq import load_gptq_linear
 from kobold_backend.engine.mlp_fold import fold_down_permutation
-from kobold_backend.engine.model_files import is_gguf_file
 from kobold_backend.engine.model import Layer, Model, Weight
+from kobold_backend.engine.model_files import is_gguf_file
 from kobold_backend.engine.rope import cos_sin_tables
 from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
 from kobold_backend.engine.weight_format import WeightFormat, describe

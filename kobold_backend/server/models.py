@@ -103,8 +103,8 @@ def confined_draft(config: Any, parameters: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def check_context(kwargs: Dict[str, Any], model_path: Path) -> None:
-    """A requested context (max_ctx) must be at least 2 (engine.loader.MIN_SEQ_LEN) and at most the model's trained context times its RoPE
-    stretch; the loader then checks that its KV cache fits in free memory."""
+    """A requested context (max_ctx) must be at least engine.loader.MIN_SEQ_LEN (2) and at most the model's
+    trained context times its RoPE stretch; the loader then checks that its KV cache fits in free memory."""
     seq = kwargs.get("max_seq_len")
     if seq is None:
         return
@@ -114,8 +114,8 @@ def check_context(kwargs: Dict[str, Any], model_path: Path) -> None:
     limit = context_limit(ModelConfig.from_dir(model_path), kwargs.get("rope_alpha", 1.0),
                           kwargs.get("compress_pos_emb", 1.0))
     if not MIN_SEQ_LEN <= int(seq) <= limit:
-        raise RequestError(f"max_ctx must be between {MIN_SEQ_LEN} and {limit} for this model (its trained context times "
-                           "the RoPE scaling in use)", "max_ctx")
+        raise RequestError(f"max_ctx must be between {MIN_SEQ_LEN} and {limit} for this model (its trained context "
+                           "times the RoPE scaling in use)", "max_ctx")
 
 
 # One model is checked at a time (its tokenizer and headers held meanwhile); a second load waits for the first.

@@ -33,7 +33,8 @@ _COUNTS: Dict[str, int] = {"expert_count": 1 << 16, "expert_used_count": 1 << 16
 # `{arch}.` float keys -> whether 0 is allowed (softcapping 0 is "off"; a RoPE base or scale and a norm's epsilon
 # must be positive, as config.json's rope_theta and rms_norm_eps are: config_types.number(positive=True)).
 _FLOATS: Dict[str, bool] = {
-    "attention.layer_norm_rms_epsilon": False, "attention.layer_norm_epsilon": False, "rope.freq_base": False, "rope.freq_base_swa": False,
+    "attention.layer_norm_rms_epsilon": False, "attention.layer_norm_epsilon": False,
+    "rope.freq_base": False, "rope.freq_base_swa": False,
     "rope.scaling.factor": False, "rope.scaling.attn_factor": False, "attention.scale": False,
     "final_logit_softcapping": True, "attn_logit_softcapping": True,
 }
