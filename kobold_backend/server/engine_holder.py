@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import traceback
@@ -151,7 +150,9 @@ def _release_failed_load(exc: BaseException) -> None:
     while context is not None:
         traceback.clear_frames(context.__traceback__)
         context = context.__context__
-    gc.collect()
+    from kobold_backend.engine.release import return_freed_memory
+
+    return_freed_memory()
     import torch
 
     if torch.cuda.is_available():

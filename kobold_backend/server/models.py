@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
@@ -125,12 +126,19 @@ _CHECKING = threading.Lock()
 @contextlib.contextmanager
 def _load_errors(target: Path) -> Iterator[None]:
     """A bad load parameter stays a RequestError (422 naming the field); a model's fault becomes 422 load_error."""
+    message = None
     try:
         yield
     except RequestError:
         raise
     except (ModelFormatError, ValueError, RuntimeError, OSError, MemoryError) as e:  # PlanError is a ValueError
-        raise ApiError(f"Loading {target.name} failed: {e}", 422, "load_error") from None
+        message = f"Loading {target.name} failed: {e}"
+        traceback.clear_frames(e.__traceback__)  # the refused load's locals (a tokenizer, headers) go now
+    if message is not None:
+        from kobold_backend.engine.release import return_freed_memory
+
+        return_freed_memory()
+        raise ApiError(message, 422, "load_error")
 
 
 def load_job(holder: Any, path: Optional[Path], parameters: Optional[Dict[str, Any]]) -> Callable[[Job], None]:
