@@ -114,6 +114,7 @@ def served(checkpoints: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     good = _copy(checkpoints.get("dense_fp32").path, models / "good")
     proc, url, _ = start_serve(["--model", str(good), "--models-dir", str(models), "--port", str(free_port()),
                                 "--device", "cpu", "--max-context", "96"])
+    threading.Thread(target=proc.stdout.read, daemon=True).start()  # its log never fills the pipe and blocks it
     try:
         expected = requests.post(url + "/api/v1/generate", json=GREEDY, timeout=30).json()
         yield proc, url, models, good, expected
