@@ -147,6 +147,65 @@ def test_config_json() -> None:
          ci_examples=200)
 
 
+def test_shard_index() -> None:
+    """weight_map of the wrong type, or naming shards outside the folder (issue 35): refused, never read."""
+    seed = ff.shard_index_seed()
+    shard = ff.safetensors_seed()
+
+    def files(index: Any) -> Dict[str, Any]:
+        return {"model.safetensors.index.json": json.dumps(index).encode("utf-8"), "model.safetensors": shard}
+
+    names = st.one_of(st.sampled_from(ff.SHARD_NAMES), JSON)
+    renamed = st.builds(lambda tensor, name: files(dict(seed, weight_map=dict(seed["weight_map"], **{tensor: name}))),
+                        st.sampled_from(["a.weight", "b.bias", "c", "d"]), names)
+    replaced = st.builds(lambda wm: files(dict(seed, weight_map=wm)), JSON)
+    structured = st.builds(lambda ops: files(ff.mutate_json(seed, ops)), JSON_OPS)
+    fuzz("shard index", st.one_of(renamed, replaced, structured), ff.read_shard_index, files(seed), ci_examples=120)
+
+
+CONFIG_VALUES = ["rope_theta", "rms_norm_eps", "max_position_embeddings", "hidden_size", "num_hidden_layers",
+                 "vocab_size", "head_dim"]
+
+
+def test_config_values() -> None:
+    """The values issue 35 found accepted (rope_theta 0, rms_norm_eps -1, a one-position context), and their
+    neighbours: refused with the engine's error or accepted, within the bounds."""
+    seed = ff.config_seed()
+    value = st.sampled_from([0, -1, 1, 2, 0.0, -0.0, 1e-300, 1e308, float("nan"), float("inf"), "inf", "0", None,
+                             True, [], {}])
+    strategy = st.builds(lambda key, v: {"config.json": json.dumps(dict(seed, **{key: v})).encode("utf-8")},
+                         st.sampled_from(CONFIG_VALUES), value)
+    fuzz("config values", strategy, ff.read_config, {"config.json": json.dumps(seed).encode("utf-8")},
+         ci_examples=60)
+
+
+SPECIAL_FILES = [
+    (ff.read_config, "config.json"), (ff.read_config, "generation_config.json"),
+    (ff.read_config, "quantize_config.json"), (ff.read_tokenizer, "tokenizer.json"),
+    (ff.read_tokenizer, "tokenizer.model"), (ff.read_tokenizer, "tokenizer_config.json"),
+    (ff.read_tokenizer, "special_tokens_map.json"), (ff.read_tokenizer, "chat_template.jinja"),
+    (ff.read_shard_index, "model.safetensors"), (ff.read_shard_index, "model.safetensors.index.json"),
+]
+
+
+@pytest.mark.parametrize("special", [ff.FIFO, ff.FOLDER])
+def test_special_files_are_refused_before_they_are_opened(special: str) -> None:
+    """A FIFO or a folder under any model file's name: refused with the engine's error (a FIFO used to block the
+    open for good), each within the bounds."""
+    config = json.dumps(ff.config_seed()).encode("utf-8")
+    tokenizer = json.dumps(ff.tokenizer_json_seed()).encode("utf-8")
+    index = json.dumps(ff.shard_index_seed()).encode("utf-8")
+    bounds = ff.Bounds()
+    for target, name in SPECIAL_FILES:
+        files = {"config.json": config} if target is ff.read_config else \
+            {"tokenizer.json": tokenizer} if target is ff.read_tokenizer else \
+            {"model.safetensors.index.json": index, "model.safetensors": ff.safetensors_seed()}
+        if name == "tokenizer.model":
+            files = {}  # read only where there is no tokenizer.json
+        bounds.run(target, dict(files, **{name: special}))
+        assert bounds.refused == bounds.executions, f"{name} as {special} was not refused"
+
+
 def test_tokenizer_files() -> None:
     tok, cfg, spm = ff.tokenizer_json_seed(), ff.tokenizer_config_seed(), ff.sentencepiece_seed()
 

@@ -230,6 +230,47 @@ def test_safetensors_header_lengths_and_offsets_are_refused(tmp_path: Path) -> N
             WeightReader(tmp_path)
 
 
+def test_spm_merges_cost_what_the_pieces_weigh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """700 pieces of 20,000 characters (issue 35: 64 s) convert at once and give the same merges as every cut would;
+    a vocabulary whose splits exceed the work bound is one sentence naming tokenizer.ggml.tokens."""
+    from kobold_backend.engine.gguf import tokenizer_json as tj
+
+    long = [chr(0x4E00 + n) * 20_000 for n in range(700)]
+    short = ["a", "b", "ab", "ba", "aba", "\u2581", "\u2581a"]
+    vocab = tj.GGUFVocab(short + long, [tj.NORMAL] * 707, [-float(i) for i in range(707)])
+    start = time.process_time()
+    assert tj.spm_merges(vocab) == ["a b", "b a", "a ba", "ab a", "\u2581 a"]
+    assert time.process_time() - start < 0.5
+    runs = ["a" * n for n in range(1, 200)]
+    monkeypatch.setattr(tj, "MAX_MERGE_WORK", 1 << 16)
+    with pytest.raises(ModelFormatError, match="^x.gguf: tokenizer.ggml.tokens holds pieces whose splits would take "
+                       "more than 65536 steps"):
+        tj.spm_merges(tj.GGUFVocab(runs, [tj.NORMAL] * 199, [0.0] * 199), "x.gguf")
+
+
+def test_a_shard_index_reads_shards_inside_the_folder_or_its_hub_snapshot_blobs(tmp_path: Path) -> None:
+    """Hugging Face's cache links a snapshot's files to the repository's blobs (`../../blobs/<hash>`): those load;
+    a link to another repository's blobs, or anywhere else, is the sentence of any shard outside the folder."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    (blobs / "f00d").write_bytes(ff.safetensors_seed())
+    (snapshot / "model-00001-of-00001.safetensors").symlink_to("../../blobs/f00d")
+    index = {"weight_map": {"a.weight": "model-00001-of-00001.safetensors"}}
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps(index))
+    with WeightReader(snapshot) as reader:
+        assert sorted(reader.names()) == ["a.weight", "b.bias", "c"]
+    other = tmp_path / "hub" / "models--org--other" / "blobs"
+    other.mkdir(parents=True)
+    (other / "beef").write_bytes(ff.safetensors_seed())
+    (snapshot / "model-00001-of-00001.safetensors").unlink()
+    (snapshot / "model-00001-of-00001.safetensors").symlink_to(other / "beef")
+    with pytest.raises(ModelFormatError, match="^model.safetensors.index.json names shard "
+                       "'model-00001-of-00001.safetensors' outside the model folder; shards must be files inside it.$"):
+        WeightReader(snapshot)
+
+
 @pytest.mark.parametrize("name,index,value,message", [
     ("q_invperm", 5, ff.EXL2_K, "q_invperm is not a permutation of its 128 input rows"),
     ("q_invperm", 5, -1, "q_invperm is not a permutation"),

@@ -12,19 +12,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from kobold_backend.engine.config_types import (  # noqa: F401  (RopeScaling, EXL2_QUANT: imported from here too)
-    CONFIG_BOUNDS,
     EXL2_QUANT,
     ConfigData,
     Features,
     QuantConfig,
     RopeScaling,
     RopeSpec,
+    config_range,
     number,
     parse_rope_scaling,
     rope_settings,
     rope_theta,
     whole,
 )
+from kobold_backend.engine.model_files import is_gguf_file, is_model_file, model_files, read_model_text
 from kobold_backend.errors import ModelFormatError
 
 if TYPE_CHECKING:
@@ -45,13 +46,13 @@ class ModelConfig(ConfigData):
     def from_dir(cls, path: str | Path) -> ModelConfig:
         """The config of a model folder, or of a .gguf file (from its metadata; no tensor data is read)."""
         folder = Path(path)
-        if folder.suffix == ".gguf" and folder.is_file():
+        if is_gguf_file(folder):
             return cls._from_gguf(folder)
         if not folder.is_dir():
             raise ModelFormatError(f"Model folder {folder} does not exist or is not a folder.")
         cfg_path = folder / "config.json"
-        if not cfg_path.is_file():
-            gguf = sorted(folder.glob("*.gguf"))
+        if not is_model_file(cfg_path):
+            gguf = model_files(folder, "*.gguf")
             if gguf:
                 raise ModelFormatError(
                     f"{folder} holds a GGUF file ({gguf[0].name}) but no config.json; give the .gguf file itself "
@@ -130,7 +131,8 @@ class ModelConfig(ConfigData):
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             vocab_size=vocab,
-            rms_norm_eps=number(raw.get("rms_norm_eps", raw.get("layer_norm_eps", 1e-6)), "rms_norm_eps", where),
+            rms_norm_eps=number(raw.get("rms_norm_eps", raw.get("layer_norm_eps", 1e-6)), "rms_norm_eps", where,
+                                positive=True),
             rope_theta=rope_theta(raw, where=where),
             rope_scaling=parse_rope_scaling(raw, rope_settings(raw), head_dim, where),
             max_position_embeddings=max_pos,
@@ -162,19 +164,17 @@ def _complete(features: Features, config: ModelConfig) -> Features:
 
 
 def _check_bound(where: str, key: str, value: int) -> None:
-    if not 1 <= value <= CONFIG_BOUNDS[key]:
-        raise ModelFormatError(f"{where}: {key} {value} is outside 1..{CONFIG_BOUNDS[key]}; config.json is not a "
+    low, high = config_range(key)
+    if not low <= value <= high:
+        raise ModelFormatError(f"{where}: {key} {value} is outside {low}..{high}; config.json is not a "
                                "model this engine can load.")
 
 
 def _read_json(path: Path) -> Dict[str, Any]:
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+        data = json.loads(read_model_text(path))
     except json.JSONDecodeError as exc:
         raise ModelFormatError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}).") from None
-    except UnicodeDecodeError:
-        raise ModelFormatError(f"{path} is not UTF-8 text.") from None
     except RecursionError:
         raise ModelFormatError(f"{path} nests its JSON too deeply.") from None
     if not isinstance(data, dict):
@@ -193,7 +193,7 @@ def _as_id_tuple(value: Any, where: str) -> Tuple[int, ...]:
 def _special_ids(raw: Dict[str, Any], folder: Optional[Path], where: str) -> Tuple[Optional[int], Tuple[int, ...]]:
     bos = raw.get("bos_token_id")
     eos = _as_id_tuple(raw.get("eos_token_id"), where)
-    if folder is not None and (folder / "generation_config.json").is_file():
+    if folder is not None and is_model_file(folder / "generation_config.json"):
         gen = _read_json(folder / "generation_config.json")
         if gen.get("bos_token_id") is not None:
             bos = gen["bos_token_id"]
@@ -206,7 +206,7 @@ def _quant_config(raw: Dict[str, Any], folder: Optional[Path], where: str) -> Op
     qc: Optional[Dict[str, Any]] = None
     if folder is not None:
         for name in ("quantize_config.json", "quant_config.json"):
-            if (folder / name).is_file():
+            if is_model_file(folder / name):
                 qc = _read_json(folder / name)
                 break
     if qc is None and isinstance(raw.get("quantization_config"), dict):

@@ -19,6 +19,14 @@ CONFIG_BOUNDS = {
     "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 4096, "vocab_size": 1 << 23,
     "max_position_embeddings": 1 << 24,
 }
+# The least value of a size where 1 is not enough: a context of one position holds the prompt's first token and
+# leaves no room for a generated one (--max-context takes at least 2 likewise).
+CONFIG_MINIMUMS = {"max_position_embeddings": 2}
+
+
+def config_range(key: str) -> Tuple[int, int]:
+    """The least and the largest value config.json's (or a GGUF file's) size `key` may state."""
+    return CONFIG_MINIMUMS.get(key, 1), CONFIG_BOUNDS[key]
 
 
 @dataclass(frozen=True)
@@ -239,7 +247,8 @@ def rope_theta(raw: Dict[str, Any], default: float = 10000.0, where: str = "conf
     params = _global_rope_parameters(raw)
     if raw.get("rope_theta") is None and isinstance(params, dict) and params.get("rope_theta") is not None:
         return number(params["rope_theta"], "rope_parameters.rope_theta", where, positive=True)
-    return number(raw.get("rope_theta") or default, "rope_theta", where, positive=True)
+    value = raw.get("rope_theta")
+    return number(default if value is None else value, "rope_theta", where, positive=True)
 
 
 def parse_rope_scaling(raw: Dict[str, Any], value: Any, head_dim: int, where: str) -> Optional[RopeScaling]:

@@ -9,6 +9,7 @@ fp16, q8, q4, k8v4), "embed_on_cpu", "speculative", "draft_model", "draft_tokens
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -57,17 +58,26 @@ def layer_ids(gpu_count: int) -> List[str]:
 
 
 def _as_int(value: Any, name: str) -> int:
+    """A whole number (a JSON number or a string holding one, as United's forms send); NaN and infinities are
+    refused like any other non-number."""
     try:
-        return int(float(value))
-    except (TypeError, ValueError):
-        raise RequestError(f"{name} must be a whole number, got {value!r}", name) from None
+        number = float(value)
+        if not math.isfinite(number):
+            raise ValueError
+        return int(number)
+    except (TypeError, ValueError, OverflowError):
+        raise RequestError(f"{name} must be a whole number, got {value!r:.40}", name) from None
 
 
 def _as_float(value: Any, name: str) -> float:
+    """A finite number (NaN and infinities refused)."""
     try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise RequestError(f"{name} must be a number, got {value!r}", name) from None
+        number = float(value)
+        if not math.isfinite(number):
+            raise ValueError
+        return number
+    except (TypeError, ValueError, OverflowError):
+        raise RequestError(f"{name} must be a finite number, got {value!r:.40}", name) from None
 
 
 def _as_bool(value: Any) -> bool:
@@ -358,8 +368,8 @@ def load_options(
     main = next((d for d in layer_devices if d != "cpu"), "cpu")
     ctx = _ctx_range(config.max_position_embeddings)
     max_ctx = _as_int(values.get("max_ctx", ctx["default"]), "max_ctx")
-    if max_ctx < 1:
-        raise RequestError("max_ctx must be at least 1", "max_ctx")
+    if max_ctx < 2:
+        raise RequestError("max_ctx must be at least 2", "max_ctx")
     compress = _as_float(values.get("compress_emb", 1.0), "compress_emb")
     alpha = _as_float(values.get("ntk_alpha", 1.0), "ntk_alpha")
     if compress <= 0:

@@ -21,6 +21,7 @@ from kobold_backend.engine.gguf.weights import GGUFWeights
 from kobold_backend.engine.gptq import load_gptq_linear
 from kobold_backend.engine.mlp_fold import fold_down_permutation
 from kobold_backend.engine.model import Layer, Model, Weight
+from kobold_backend.engine.model_files import is_gguf_file
 from kobold_backend.engine.rope import cos_sin_tables
 from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
 from kobold_backend.engine.weight_format import WeightFormat, describe
@@ -92,6 +93,65 @@ def resolve_dtype(dtype: Optional[str], device: torch.device, config: ModelConfi
     return torch.float16
 
 
+@dataclass
+class Checkpoint:
+    """A model's files opened and checked without reading a weight (open_checkpoint): its config, tokenizer and
+    weight reader (memory-mapped shards or GGUF file). load_model(checkpoint=...) takes it over; close() releases a
+    checkpoint that is not loaded after all."""
+
+    path: Path
+    config: ModelConfig
+    tokenizer: Optional[Tokenizer]
+    reader: Union[WeightReader, GGUFWeights]
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def open_checkpoint(path: Union[str, Path], with_tokenizer: bool = True) -> Checkpoint:
+    """Everything about a model that can be checked before a weight is read, each fault one ModelFormatError
+    sentence: every file a regular file (engine/model_files.py), config.json or the GGUF metadata (sizes, values,
+    architecture), the tokenizer built (a GGUF vocabulary converted), the chat template compiled, the shard index
+    and the safetensors headers or the GGUF tensor records against the config. A model switch runs this while the
+    previous model still serves, so that a broken model never takes its place."""
+    folder = Path(path)
+    if is_gguf_file(folder):
+        config, tokenizer, reader = open_gguf(folder, with_tokenizer)
+    else:
+        config = ModelConfig.from_dir(folder)
+        tokenizer = load_tokenizer(folder, config.bos_token_id, config.eos_token_ids) if with_tokenizer else None
+        reader = WeightReader(folder)
+    try:
+        if isinstance(reader, WeightReader):
+            reader.rename(config.description.stored_names(reader.names()))
+            config = with_exl2_detected(config, reader.names())
+        check_against_headers(config, reader)
+        if tokenizer is not None:
+            check_chat_template(tokenizer.chat_template)
+    except BaseException:
+        reader.close()
+        raise
+    return Checkpoint(folder, config, tokenizer, reader)
+
+
+def check_chat_template(source: Optional[str]) -> None:
+    """The model's own chat template must compile: a template that cannot is the model's fault, refused at load
+    (ModelFormatError) rather than on every chat request."""
+    if source is None:
+        return
+    from kobold_backend.engine.chat_template import TemplateCompileError, compile_template
+
+    try:
+        compile_template(source)
+    except TemplateCompileError as exc:
+        raise ModelFormatError(f"The model's chat_template (tokenizer_config.json, chat_template.jinja or the GGUF "
+                               f"tokenizer.chat_template) does not compile: {exc}.") from None
+
+
+# The fewest positions a model is loaded with: a prompt's first token and one generated token.
+MIN_SEQ_LEN = 2
+
+
 def load_model(
     path: str | Path,
     device: str = "auto",
@@ -107,6 +167,7 @@ def load_model(
     speculative: str = "off",
     draft_model: Optional[Union[str, Path]] = None,
     draft_tokens: int = 0,
+    checkpoint: Optional[Checkpoint] = None,
 ) -> LoadedModel:
     """Load a checkpoint of a registered architecture from a folder (dense or GPTQ 4-bit) or a GGUF file.
 
@@ -115,22 +176,21 @@ def load_model(
     cache's storage (engine/cache.py CACHE_DTYPES: fp16 = the layers' dtype, q8, q4, k8v4).
     `speculative` ("off", "ngram", "draft") with `draft_model` and `draft_tokens`: see engine/speculative.py; the
     draft model (ignored when off) goes on the head's device with the target's dtype and context, and must share
-    the tokenizer.
+    the tokenizer. `checkpoint`: the model already opened and checked by open_checkpoint(path) (taken over and
+    closed here); without it load_model opens it.
     """
     from kobold_backend.engine.speculative import check_speculation
 
-    check_speculation(speculative, draft_model, draft_tokens)
-    folder = Path(path)
-    cache_schemes(cache_dtype)
-    reader: Union[WeightReader, GGUFWeights]
-    if folder.suffix == ".gguf" and folder.is_file():
-        config, tokenizer, reader = open_gguf(folder, with_tokenizer)
-    else:
-        config = ModelConfig.from_dir(folder)
-        tokenizer = load_tokenizer(folder, config.bos_token_id, config.eos_token_ids) if with_tokenizer else None
-        reader = WeightReader(folder)
-        reader.rename(config.description.stored_names(reader.names()))
-        config = with_exl2_detected(config, reader.names())
+    try:
+        check_speculation(speculative, draft_model, draft_tokens)
+        cache_schemes(cache_dtype)
+        if checkpoint is None:
+            checkpoint = open_checkpoint(path, with_tokenizer)
+    except BaseException:
+        if checkpoint is not None:
+            checkpoint.close()
+        raise
+    folder, config, tokenizer, reader = checkpoint.path, checkpoint.config, checkpoint.tokenizer, checkpoint.reader
     with reader:
         if speculative == "draft" and draft_model is not None and tokenizer is not None:
             draft = Path(draft_model)
@@ -140,9 +200,8 @@ def load_model(
         if layer_devices is not None and len(layer_devices) != config.num_layers:
             raise ValueError(f"layer_devices has {len(layer_devices)} entries for {config.num_layers} layers")
         seq_len = max_seq_len or min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-        if seq_len < 1:
-            raise ValueError(f"max_seq_len must be at least 1, not {seq_len}")
-        check_against_headers(config, reader)
+        if seq_len < MIN_SEQ_LEN:
+            raise ValueError(f"max_seq_len must be at least {MIN_SEQ_LEN}, not {seq_len}")
         if not config.features.quantized_cache and cache_schemes(cache_dtype) != ("fp16", "fp16"):
             raise ValueError(f"--cache-dtype {cache_dtype} cannot hold this model's latent attention cache, which is "
                              "kept in the model's dtype: use --cache-dtype fp16")
@@ -192,7 +251,7 @@ def _attach_speculation(lm: LoadedModel, mode: str, draft_model: Optional[Union[
 def _draft_tokenizer(folder: Path) -> Tokenizer:
     """The draft model's tokenizer alone (no weights read), for the check before anything is loaded."""
     try:
-        if folder.suffix == ".gguf" and folder.is_file():
+        if is_gguf_file(folder):
             tokenizer = open_gguf(folder, True)[1]
         else:
             config = ModelConfig.from_dir(folder)

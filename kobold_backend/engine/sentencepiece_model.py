@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple, Union
 
+from kobold_backend.engine.model_files import MAX_TOKENIZER_BYTES, read_model_bytes
 from kobold_backend.errors import ModelFormatError
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -115,7 +116,9 @@ def parse_model(data: bytes) -> SentencePieceModel:
 
 def read_model(path: Path) -> SentencePieceModel:
     try:
-        model = parse_model(path.read_bytes())
+        model = parse_model(read_model_bytes(path, MAX_TOKENIZER_BYTES))
+    except ModelFormatError:
+        raise
     except (OSError, ValueError, UnicodeDecodeError, struct.error) as exc:
         raise ModelFormatError(f"{path} is not a readable sentencepiece model ({exc}).") from None
     if not model.pieces:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Dict, Tuple
 
 from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.model_files import is_gguf_file
 from kobold_backend.engine.weight_format import WeightFormat
 from kobold_backend.engine.weights import safetensors_files, safetensors_header
 
@@ -24,7 +25,7 @@ _PACKED = (".qweight", ".qzeros", ".scales", ".g_idx")
 
 def stored_format(path: Path) -> WeightFormat:
     """The format of the model at `path` (a .gguf file or a Hugging Face folder)."""
-    if path.suffix == ".gguf" and path.is_file():
+    if is_gguf_file(path):
         return _gguf_format(path)
     return _folder_format(path)
 

@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Un
 
 from kobold_backend.engine import tokenizer_compat
 from kobold_backend.engine.chat_jinja import TemplateCompileError, compile_template
+from kobold_backend.engine.model_files import MAX_TOKENIZER_BYTES, is_model_file, read_model_text
 from kobold_backend.engine.tokenizer_config import AddedTokenSpec, TokenizerConfig, read_tokenizer_config
 from kobold_backend.errors import ModelFormatError, RequestError
 
@@ -356,10 +357,12 @@ def _add_config_tokens(backend: Any, config: TokenizerConfig) -> None:
 def _from_tokenizer_json(path: Path, config: TokenizerConfig, bos_id: Optional[int],
                          eos_ids: Sequence[int]) -> Tokenizer:
     try:
-        spec = json.loads(path.read_text(encoding="utf-8"))
+        spec = json.loads(read_model_text(path, MAX_TOKENIZER_BYTES))
         if config.add_prefix_space is not None:
             _set_byte_level_prefix(spec, config.add_prefix_space)
         backend = _tokenizer_call(tokenizer_compat.from_spec, spec)
+    except ModelFormatError:
+        raise
     except Exception as exc:
         raise ModelFormatError(f"{path} is not a readable tokenizer.json ({exc}).") from None
     if config.tokenizer_class in LLAMA_CLASSES and _sentencepiece_like(spec):
@@ -456,9 +459,9 @@ def load_tokenizer(
     generation_config.json) are used where the tokenizer's own files name none."""
     folder = Path(folder)
     config = read_tokenizer_config(folder)
-    if (folder / "tokenizer.json").is_file():
+    if is_model_file(folder / "tokenizer.json"):
         tokenizer = _from_tokenizer_json(folder / "tokenizer.json", config, bos_id, eos_ids)
-    elif (folder / "tokenizer.model").is_file():
+    elif is_model_file(folder / "tokenizer.model"):
         tokenizer = _from_sentencepiece(folder / "tokenizer.model", config, bos_id, eos_ids)
     else:
         raise ModelFormatError(f"{folder} has no tokenizer (expected tokenizer.json or tokenizer.model).")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from kobold_backend.engine.model_files import is_model_file, read_model_text
 from kobold_backend.errors import ModelFormatError
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -43,8 +44,8 @@ class TokenizerConfig:
 
 def read_json_object(path: Path) -> Dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = json.loads(read_model_text(path))
+    except (json.JSONDecodeError, RecursionError):
         raise ModelFormatError(f"{path} is not valid JSON.") from None
     if not isinstance(data, dict):
         raise ModelFormatError(f"{path} must hold a JSON object.")
@@ -87,10 +88,10 @@ def read_tokenizer_config(folder: Path) -> TokenizerConfig:
     folder = Path(folder)
     config: Dict[str, Any] = {}
     path = folder / "tokenizer_config.json"
-    if path.is_file():
+    if is_model_file(path):
         config = read_json_object(path)
     special_map: Dict[str, Any] = {}
-    if (folder / "special_tokens_map.json").is_file():
+    if is_model_file(folder / "special_tokens_map.json"):
         special_map = read_json_object(folder / "special_tokens_map.json")
 
     out = TokenizerConfig()
@@ -122,8 +123,8 @@ def read_tokenizer_config(folder: Path) -> TokenizerConfig:
                 out.added_tokens.append(spec)
         out.added_tokens.sort(key=lambda s: s.id or 0)
     jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        out.chat_template = jinja.read_text(encoding="utf-8")
+    if is_model_file(jinja):
+        out.chat_template = read_model_text(jinja)
     else:
         out.chat_template = _chat_template(config.get("chat_template"))
     return out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import traceback
@@ -62,16 +61,21 @@ class EngineHolder:
     def active(self) -> Optional[ActiveModel]:
         return self._active
 
-    def load(self, path: Path, **overrides: Any) -> ActiveModel:
+    def load(self, path: Path, checkpoint: Any = None, **overrides: Any) -> ActiveModel:
         """Load the folder at `path` with the default kwargs plus overrides, in place of the current model.
 
-        The current model is released first (two models rarely fit in one GPU). When the new one fails, the memory
-        its partial load took is freed, the previous model is loaded again, and the error is raised: a failed
-        load leaves the server serving what it served before."""
+        `checkpoint` is the model opened and checked without its weights (engine.loader.open_checkpoint, run by the
+        caller while the current model still serves; the loader takes it over): whatever is wrong with the model's
+        files is refused before the current model is released. That release comes next (two models rarely fit in
+        one GPU). When the new one fails after it (memory, a tensor's data), the memory its partial load took is
+        freed, the previous model is loaded again, and the error is raised: a failed load leaves the server
+        serving what it served before."""
         kwargs = dict(self.load_kwargs)
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         path = Path(path).resolve()
         with self._lock:
+            if checkpoint is not None:
+                kwargs["checkpoint"] = checkpoint
             self.loading = path.name
             old = self._active
             previous = None if old is None else (old.path, dict(old.load_kwargs), old.name)
@@ -94,7 +98,7 @@ class EngineHolder:
         loader = self._loader
         if loader is None:
             from kobold_backend.engine.loader import load_model as loader
-        shown = sorted((k, v) for k, v in kwargs.items() if not callable(v))  # not the progress callback
+        shown = sorted((k, v) for k, v in kwargs.items() if not callable(v) and k != "checkpoint")
         log.info("loading %s (%s)", path, ", ".join(f"{k}={v}" for k, v in shown))
         lm = loader(path, **kwargs)
         try:
@@ -111,7 +115,7 @@ class EngineHolder:
             path=path,
             is_demo=self.demo_path is not None and path == self.demo_path,
             max_context=int(lm.model.max_seq_len),
-            load_kwargs={k: v for k, v in kwargs.items() if k != "progress"},
+            load_kwargs={k: v for k, v in kwargs.items() if k not in ("progress", "checkpoint")},
         )
         self._active = active
         return active
@@ -146,7 +150,9 @@ def _release_failed_load(exc: BaseException) -> None:
     while context is not None:
         traceback.clear_frames(context.__traceback__)
         context = context.__context__
-    gc.collect()
+    from kobold_backend.engine.release import return_freed_memory
+
+    return_freed_memory()
     import torch
 
     if torch.cuda.is_available():

@@ -3,10 +3,14 @@ load jobs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
+from kobold_backend.engine.model_files import is_gguf_file, is_model_file
 from kobold_backend.errors import ModelFormatError, RequestError
 from kobold_backend.server.errors import ApiError
 from kobold_backend.server.queue import Job
@@ -48,9 +52,13 @@ def resolve_model(models_dir: Path, name: object) -> Path:
         raise ApiError("The model name is not a valid path.", 422, "bad_input") from None
     if os.path.commonpath([root, candidate]) != root or candidate == root:
         raise ApiError("The model path must name a folder inside the models folder.", 403, "forbidden")
-    if candidate.endswith(".gguf") and os.path.isfile(candidate):
-        return Path(candidate)
-    if not os.path.isfile(os.path.join(candidate, "config.json")):
+    try:  # a FIFO, device or socket in place of the file is refused by name, never opened (engine/model_files.py)
+        if is_gguf_file(candidate):
+            return Path(candidate)
+        found = is_model_file(os.path.join(candidate, "config.json"))
+    except ModelFormatError as e:
+        raise ApiError(f"Loading {name} failed: {e}", 422, "load_error") from None
+    if not found:
         raise ApiError(f"No model folder or .gguf file named {name!r} in the models folder.", 404, "key_error")
     return Path(candidate)
 
@@ -96,43 +104,72 @@ def confined_draft(config: Any, parameters: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def check_context(kwargs: Dict[str, Any], model_path: Path) -> None:
-    """A requested context (max_ctx) must be at least 1 and at most the model's trained context times its RoPE
-    stretch; the loader then checks that its KV cache fits in free memory."""
+    """A requested context (max_ctx) must be at least engine.loader.MIN_SEQ_LEN (2) and at most the model's
+    trained context times its RoPE stretch; the loader then checks that its KV cache fits in free memory."""
     seq = kwargs.get("max_seq_len")
     if seq is None:
         return
     from kobold_backend.engine.config import ModelConfig
-    from kobold_backend.engine.loader import context_limit
+    from kobold_backend.engine.loader import MIN_SEQ_LEN, context_limit
 
     limit = context_limit(ModelConfig.from_dir(model_path), kwargs.get("rope_alpha", 1.0),
                           kwargs.get("compress_pos_emb", 1.0))
-    if not 1 <= int(seq) <= limit:
-        raise RequestError(f"max_ctx must be between 1 and {limit} for this model (its trained context times "
-                           "the RoPE scaling in use)", "max_ctx")
+    if not MIN_SEQ_LEN <= int(seq) <= limit:
+        raise RequestError(f"max_ctx must be between {MIN_SEQ_LEN} and {limit} for this model (its trained context "
+                           "times the RoPE scaling in use)", "max_ctx")
+
+
+# One model is checked at a time (its tokenizer and headers held meanwhile); a second load waits for the first.
+_CHECKING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _load_errors(target: Path) -> Iterator[None]:
+    """A bad load parameter stays a RequestError (422 naming the field); a model's fault becomes 422 load_error."""
+    message = None
+    try:
+        yield
+    except RequestError:
+        raise
+    except (ModelFormatError, ValueError, RuntimeError, OSError, MemoryError) as e:  # PlanError is a ValueError
+        message = f"Loading {target.name} failed: {e}"
+        traceback.clear_frames(e.__traceback__)  # the refused load's locals (a tokenizer, headers) go now
+    if message is not None:
+        from kobold_backend.engine.release import return_freed_memory
+
+        return_freed_memory()
+        raise ApiError(message, 422, "load_error")
 
 
 def load_job(holder: Any, path: Optional[Path], parameters: Optional[Dict[str, Any]]) -> Callable[[Job], None]:
     """A worker job loading `path` (None: the demo model, built on first use). `parameters` are the web page's
-    values keyed by parameter id; None keeps the server's own load settings."""
+    values keyed by parameter id; None keeps the server's own load settings.
+
+    For a model of --models-dir everything that can be checked without its weights is checked here, in the
+    request's thread, while the worker keeps serving the current model: the parameters, the context, and the
+    model's files (engine.loader.open_checkpoint: config, tokenizer, chat template, shard index, headers). A model
+    that fails them is refused with 422 and never replaces the current one; the job then swaps the models."""
+    from kobold_backend.engine.loader import open_checkpoint
+
+    checkpoint = None
+    kwargs: Dict[str, Any] = {}
+    if path is not None:
+        with _CHECKING, _load_errors(path):
+            kwargs = load_kwargs(parameters, path) if parameters is not None else {}
+            check_context(kwargs, path)
+            checkpoint = open_checkpoint(path)
 
     def run(job: Job) -> None:
-        from kobold_backend.engine.config import ModelConfig
-
-        target = path
+        target, settings = path, kwargs
         if target is None:
             from kobold_backend.demo import ensure_demo_model
 
             target = Path(ensure_demo_model())
             holder.demo_path = target.resolve()
-        try:
-            if path is not None:  # headers first: a malformed file is refused before the current model is released
-                ModelConfig.from_dir(target)
-            kwargs = load_kwargs(parameters, target) if parameters is not None else {}
-            check_context(kwargs, target)
-            holder.load(target, **kwargs)
-        except RequestError:
-            raise  # a bad parameter: 422 naming the field
-        except (ModelFormatError, ValueError, RuntimeError, OSError, MemoryError) as e:  # PlanError is a ValueError
-            raise ApiError(f"Loading {target.name} failed: {e}", 422, "load_error") from None
+            with _load_errors(target):
+                settings = load_kwargs(parameters, target) if parameters is not None else {}
+                check_context(settings, target)
+        with _load_errors(target):
+            holder.load(target, checkpoint=checkpoint, **settings)
 
     return run

@@ -12,7 +12,9 @@ from kobold_backend.engine.gguf.config import architecture, hf_config
 from kobold_backend.engine.gguf.file import GGUFFile
 from kobold_backend.engine.gguf.tokenizer_files import tokenizer_files
 from kobold_backend.engine.gguf.weights import GGUFWeights
+from kobold_backend.engine.model_files import is_gguf_file, open_model_file
 from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
+from kobold_backend.errors import ModelFormatError
 
 
 def gguf_config(path: Path) -> ModelConfig:
@@ -21,11 +23,14 @@ def gguf_config(path: Path) -> ModelConfig:
 
 
 def is_gguf(path: Path) -> bool:
-    """A regular file named *.gguf that starts with GGUF's magic bytes."""
+    """A regular file named *.gguf that starts with GGUF's magic bytes (a FIFO or device of that name is never
+    opened)."""
     try:
-        with open(path, "rb") as fh:
-            return path.suffix == ".gguf" and path.is_file() and fh.read(4) == b"GGUF"
-    except OSError:
+        if not is_gguf_file(path):
+            return False
+        with open_model_file(path) as fh:
+            return fh.read(4) == b"GGUF"
+    except (OSError, ModelFormatError):
         return False
 
 

@@ -13,7 +13,7 @@ import logging
 import math
 from typing import Any, Dict, Tuple
 
-from kobold_backend.engine.config_types import CONFIG_BOUNDS
+from kobold_backend.engine.config_types import CONFIG_BOUNDS, config_range
 from kobold_backend.errors import ModelFormatError
 
 log = logging.getLogger(__name__)
@@ -30,9 +30,11 @@ _SIZES: Dict[str, Any] = {
 # `{arch}.` keys that are counts where 0 means none.
 _COUNTS: Dict[str, int] = {"expert_count": 1 << 16, "expert_used_count": 1 << 16,
                            "attention.sliding_window": CONFIG_BOUNDS["max_position_embeddings"]}
-# `{arch}.` float keys -> whether 0 is allowed (softcapping 0 is "off"; a RoPE base or scale must be positive).
+# `{arch}.` float keys -> whether 0 is allowed (softcapping 0 is "off"; a RoPE base or scale and a norm's epsilon
+# must be positive, as config.json's rope_theta and rms_norm_eps are: config_types.number(positive=True)).
 _FLOATS: Dict[str, bool] = {
-    "attention.layer_norm_rms_epsilon": True, "rope.freq_base": False, "rope.freq_base_swa": False,
+    "attention.layer_norm_rms_epsilon": False, "attention.layer_norm_epsilon": False,
+    "rope.freq_base": False, "rope.freq_base_swa": False,
     "rope.scaling.factor": False, "rope.scaling.attn_factor": False, "attention.scale": False,
     "final_logit_softcapping": True, "attn_logit_softcapping": True,
 }
@@ -60,7 +62,7 @@ def _describe(value: Any) -> str:
 
 
 def _size_range(spec: Any) -> Tuple[int, int]:
-    return (1, CONFIG_BOUNDS[spec]) if isinstance(spec, str) else (0, spec)
+    return config_range(spec) if isinstance(spec, str) else (0, spec)
 
 
 def check_metadata(meta: Dict[str, Any], where: str) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Dict, Tuple
 
 import numpy as np
 
+from kobold_backend.engine.model_files import open_model_file
 from kobold_backend.errors import ModelFormatError
 
 STRING, ARRAY = 8, 9
@@ -182,7 +183,7 @@ def parse(data: Any, size: int, where: str) -> GGUFContents:
 def open_mapped(path: Path) -> Tuple[mmap.mmap, GGUFContents]:
     """The file memory-mapped read-only and parsed; the map is the caller's to keep (tensor data stays in it)."""
     try:
-        with open(path, "rb") as fh:
+        with open_model_file(path) as fh:
             size = fh.seek(0, 2)
             if size == 0:
                 raise ModelFormatError(f"{path.name}: is not a GGUF file (it is empty).")

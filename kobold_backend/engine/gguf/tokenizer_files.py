@@ -143,7 +143,7 @@ def tokenizer_files(meta: Dict[str, Any], where: str) -> Dict[str, bytes]:
     vocab = _read_vocab(meta, model, where)
     add_bos, force_bos = True, False
     if model == "llama":
-        spec = tj.spm_tokenizer_json(vocab, _flag(meta, "add_space_prefix", True))
+        spec = tj.spm_tokenizer_json(vocab, _flag(meta, "add_space_prefix", True), where)
     elif model in ("gpt2", "gemma4"):
         pre = "gemma4" if model == "gemma4" else str(meta.get("tokenizer.ggml.pre") or "default")
         if pre in UNSUPPORTED_PRE:

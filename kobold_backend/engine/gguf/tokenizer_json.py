@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from kobold_backend.engine.gguf.pretokenizers import PreTokenizer
+from kobold_backend.errors import ModelFormatError
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 SPACE = "\u2581"
@@ -91,29 +92,52 @@ def _spm_decoder(strip_prefix: bool) -> Dict[str, Any]:
     return {"type": "Sequence", "decoders": steps}
 
 
-def spm_merges(vocab: GGUFVocab) -> List[str]:
+# What turning an SPM vocabulary into merges may cost: each candidate split of a piece counts its length plus a
+# fixed cost. Real vocabularies (Llama 2's 32k pieces, Gemma's 256k) stay below a fifth of it; a crafted one that
+# would take minutes is refused in a few seconds at most.
+MAX_MERGE_WORK = 1 << 28
+_SPLIT_COST = 16
+
+
+def spm_merges(vocab: GGUFVocab, where: str = "the GGUF file") -> List[str]:
     """Every split of a piece into two pieces, highest merged score first (llama.cpp's and sentencepiece's merge
     order); equal scores by the merged piece's id, then the shorter left part. Pieces holding a plain space cannot
-    be written as a "left right" merge and are left out (llama.cpp's SPM vocabularies write spaces as "▁")."""
+    be written as a "left right" merge and are left out (llama.cpp's SPM vocabularies write spaces as "▁").
+
+    Only cuts where both sides have the length of some piece are tried, so a vocabulary of few long pieces costs
+    what its pieces weigh, not the square of their lengths."""
     ids = vocab.vocab()
     scores = vocab.scores
+    lengths = sorted({len(piece) for piece in ids})
+    known = set(lengths)
+    work = 0
     ranked: List[Tuple[float, int, int, str]] = []
     for piece, piece_id in ids.items():
         if " " in piece:
             continue
-        for cut in range(1, len(piece)):
+        size = len(piece)
+        for cut in lengths:
+            if cut >= size:
+                break
+            if size - cut not in known:
+                continue
+            work += size + _SPLIT_COST
+            if work > MAX_MERGE_WORK:
+                raise ModelFormatError(f"{where}: tokenizer.ggml.tokens holds pieces whose splits would take more "
+                                       f"than {MAX_MERGE_WORK} steps to turn into merges; it is not a "
+                                       "vocabulary this engine converts.")
             if piece[:cut] in ids and piece[cut:] in ids:
                 ranked.append((-scores[piece_id], piece_id, cut, piece[:cut] + " " + piece[cut:]))
     ranked.sort()
     return [merge for *_, merge in ranked]
 
 
-def spm_tokenizer_json(vocab: GGUFVocab, add_space_prefix: bool) -> Dict[str, Any]:
+def spm_tokenizer_json(vocab: GGUFVocab, add_space_prefix: bool, where: str = "the GGUF file") -> Dict[str, Any]:
     escape = _replace(" ", SPACE)
     normalizer = ({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": SPACE}, escape]}
                   if add_space_prefix else escape)
     return _spec(vocab, normalizer, None, _spm_decoder(add_space_prefix),
-                 _bpe_model(vocab, spm_merges(vocab), byte_fallback=True, ignore_merges=False))
+                 _bpe_model(vocab, spm_merges(vocab, where), byte_fallback=True, ignore_merges=False))
 
 
 def _newline_merges(vocab: GGUFVocab) -> List[str]:
