@@ -111,7 +111,7 @@ class Checkpoint:
 def open_checkpoint(path: Union[str, Path], with_tokenizer: bool = True) -> Checkpoint:
     """Everything about a model that can be checked before a weight is read, each fault one ModelFormatError
     sentence: every file a regular file (engine/model_files.py), config.json or the GGUF metadata (sizes, values,
-    architecture), the tokenizer built (a GGUF vocabulary converted), the chat template compiled, the shard index
+    architecture), the tokenizer built (a GGUF vocabulary converted; its chat template compiled), the shard index
     and the safetensors headers or the GGUF tensor records against the config. A model switch runs this while the
     previous model still serves, so that a broken model never takes its place."""
     folder = Path(path)
@@ -126,26 +126,10 @@ def open_checkpoint(path: Union[str, Path], with_tokenizer: bool = True) -> Chec
             reader.rename(config.description.stored_names(reader.names()))
             config = with_exl2_detected(config, reader.names())
         check_against_headers(config, reader)
-        if tokenizer is not None:
-            check_chat_template(tokenizer.chat_template)
     except BaseException:
         reader.close()
         raise
     return Checkpoint(folder, config, tokenizer, reader)
-
-
-def check_chat_template(source: Optional[str]) -> None:
-    """The model's own chat template must compile: a template that cannot is the model's fault, refused at load
-    (ModelFormatError) rather than on every chat request."""
-    if source is None:
-        return
-    from kobold_backend.engine.chat_template import TemplateCompileError, compile_template
-
-    try:
-        compile_template(source)
-    except TemplateCompileError as exc:
-        raise ModelFormatError(f"The model's chat_template (tokenizer_config.json, chat_template.jinja or the GGUF "
-                               f"tokenizer.chat_template) does not compile: {exc}.") from None
 
 
 # The fewest positions a model is loaded with: a prompt's first token and one generated token.
