@@ -98,7 +98,11 @@ def test_prefix_reuse_and_rewind_match_fresh_prefill(name: str, archs, ours) -> 
     cache = lm.model.new_cache()
     lm.model.forward(torch.cat([a, c], 1), cache)
     cache.rewind(c.shape[1])
-    assert row_rel_err(lm.model.forward(b, cache, last_only=False), fresh) < REUSE_RTOL
+    # a chunk after a rewind runs other matrix shapes than one prefill: float32 rounding, which Gemma 3n's sparsity
+    # cutoffs (mean + k * std of a row) can carry across the cutoff (1.5e-5 / 2.8e-5 with torch 2.13, here 2026-12-03),
+    # as in test_logits_match_transformers
+    tol = LOGITS_RTOL if archs.get(name).spec.family == "gemma3n" else REUSE_RTOL
+    assert row_rel_err(lm.model.forward(b, cache, last_only=False), fresh) < tol
     twin = cache.clone()
     for i, src in enumerate(twin.sources):
         assert twin.k[i] is not cache.k[i] and (src is None or twin.k[i] is twin.k[src])
