@@ -21,8 +21,6 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-import torch
-
 from kobold_backend import __version__
 from kobold_backend.bench.checkpoint import PRESETS, write_synthetic_gptq
 from kobold_backend.errors import KoboldBackendError
@@ -34,7 +32,7 @@ DEFAULT_COMPARE = "exllamav2,transformers"
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from kobold_backend.flag_types import device_name, existing_file, existing_path, int_at_least
+    from kobold_backend.flag_types import add_threads_argument, device_name, existing_file, existing_path, int_at_least
 
     p = sub.add_parser("bench", help="measure speed (prompt, decode, chat turn, memory, roofline)",
                        description="Time prompt processing, decoding, a chat turn and memory on a model (or a "
@@ -51,6 +49,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--group-size", type=int_at_least(1), default=128, metavar="N",
                    help="GPTQ group size of the synthetic checkpoint")
     p.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N")
+    add_threads_argument(p)
     p.add_argument("--no-graphs", action="store_true", help="eager decode (debugging)")
     p.add_argument("--compare", nargs="?", const=DEFAULT_COMPARE, default=None, type=reference_list,
                    metavar="NAME[,NAME]",
@@ -115,6 +114,8 @@ def context_list(text: str) -> List[int]:
 
 
 def environment() -> Dict[str, Any]:
+    import torch  # here and below, not at the top: the parser (--help, a bad flag) answers without torch
+
     env: Dict[str, Any] = {"date": datetime.date.today().isoformat(), "kobold_backend": __version__,
                            "python": platform.python_version(), "torch": torch.__version__}
     if torch.cuda.is_available():
@@ -147,6 +148,8 @@ def _compared(bench: Any, path: str) -> Dict[str, Any]:
         return bench(path)
     except Exception as exc:  # the other engine's failure is a result of the comparison, not of this bench
         log.warning("%s failed: %s: %s", bench.__name__, type(exc).__name__, exc)
+        import torch
+
         torch.cuda.empty_cache()
         return {"skipped": f"failed on this checkpoint ({type(exc).__name__}: {exc})"}
 
@@ -212,6 +215,8 @@ def _measure(args: argparse.Namespace, path: str, shape: Dict[str, Any], compare
              llama_bench: Optional[str], tmp: Path, quick: bool, cache_dtype: str, first: bool) -> Dict[str, Any]:
     """One timing of the engine with `cache_dtype` (and its references); speculation and samplers once, on the
     first cache dtype of the list."""
+    import torch
+
     from kobold_backend.bench.engine_bench import bench_engine
 
     log.info("measuring kobold-backend with a %s cache", cache_dtype)
@@ -219,7 +224,8 @@ def _measure(args: argparse.Namespace, path: str, shape: Dict[str, Any], compare
                               "act_order": args.act_order, "model": args.model,
                               "format": None if args.model else args.format, "cache_dtype": cache_dtype,
                               "kobold_backend": bench_engine(path, args.device, use_graphs=not args.no_graphs,
-                                                             cache_dtype=cache_dtype, **shape)}
+                                                             cache_dtype=cache_dtype, threads=args.threads,
+                                                             **shape)}
     if compare:
         from kobold_backend.bench.compare import bench_exllamav2, bench_transformers
 

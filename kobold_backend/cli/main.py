@@ -2,7 +2,9 @@
 
 Results go to stdout; progress and logs go to stderr. Every flag is checked by its argparse `type` before anything
 is loaded: a bad value is a usage error (one line on stderr naming the flag, exit status 2); a failure while running
-(a model that does not load, a port in use) is exit status 1.
+(a model that does not load, a port in use) is exit status 1; Ctrl-C is one line and exit status 130. Nothing here
+imports torch before the arguments are parsed (--help, --version and a usage error answer at once): the modules
+that need it are imported inside the subcommands.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import importlib
 import importlib.util
 import logging
 import math
+import signal
 import sys
 from typing import TYPE_CHECKING, Any, List, Optional
 
@@ -144,7 +147,29 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+class _Interrupt:
+    """Ctrl-C (SIGINT) as the command sees it: the handler notes it and raises KeyboardInterrupt. The note stays
+    when a library turns that KeyboardInterrupt into an error of its own (safetensors reading a tensor through
+    torch does), so that error is reported as the interruption it is, not as a broken model."""
+
+    seen = False
+
+    @classmethod
+    def handler(cls, signum: int, frame: Any) -> None:
+        cls.seen = True
+        raise KeyboardInterrupt
+
+
+def _interrupted() -> int:
+    """One sentence on stderr (after the progress bar's line on a terminal) and exit status 130, as shells use."""
+    sys.stderr.write(("\n" if sys.stderr.isatty() else "") + "kobold-backend: stopped by Ctrl-C.\n")
+    return 130
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    from kobold_backend.engine.cpu_threads import prepare_environment
+
+    prepare_environment()  # before torch's OpenMP runtime starts: waiting threads sleep instead of spinning
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -152,14 +177,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
+    signal.signal(signal.SIGINT, _Interrupt.handler)
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return _interrupted()
     except KoboldBackendError as exc:
+        if _Interrupt.seen:
+            return _interrupted()
         log.error("%s", exc)
         return 1
-    except KeyboardInterrupt:
-        return 130
     except Exception as exc:  # noqa: BLE001 - one line for the person; the traceback with --verbose
+        if _Interrupt.seen:
+            return _interrupted()
         log.error("%s: %s", type(exc).__name__, exc)
         log.debug("traceback", exc_info=True)
         return 1

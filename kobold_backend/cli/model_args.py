@@ -1,5 +1,5 @@
 """Options shared by every subcommand that loads a model (--model, --device, --dtype, --max-context, RoPE, the
-layer split) and the one function that loads a model from them, with progress on stderr."""
+layer split, --threads) and the one function that loads a model from them, with progress on stderr."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Any, Dict
 
 from kobold_backend.cli.split import add_split_arguments, split_from_args
 from kobold_backend.errors import RequestError
-from kobold_backend.flag_types import device_name, dtype_name, existing_path, float_in, int_at_least
+from kobold_backend.flag_types import (
+    add_threads_argument,
+    device_name,
+    dtype_name,
+    existing_path,
+    float_in,
+    int_at_least,
+)
 from kobold_backend.progress import stderr_progress
 
 if TYPE_CHECKING:
@@ -47,6 +54,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a small model with the same tokenizer that drafts tokens for the target to verify")
     parser.add_argument("--draft-tokens", type=int_at_least(1, 16), default=None, metavar="K",
                         help="tokens drafted per round (default: 4 with a draft model, 5 with ngram)")
+    add_threads_argument(parser)
     add_split_arguments(parser)
 
 
@@ -72,6 +80,7 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
         rope_alpha=args.rope_alpha,
         compress_pos_emb=args.compress_pos_emb,
         cache_dtype=args.cache_dtype,
+        threads=args.threads,
         progress=stderr_progress("loading"),
         **speculation,
     )

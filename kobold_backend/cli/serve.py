@@ -104,7 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
         load_kwargs = {"device": args.device, "dtype": args.dtype, "max_seq_len": args.max_context,
                        "embed_on_cpu": args.embed_on_cpu, "rope_alpha": args.rope_alpha,
                        "compress_pos_emb": args.compress_pos_emb, **speculation,
-                       "cache_dtype": args.cache_dtype}
+                       "cache_dtype": args.cache_dtype, "threads": args.threads}
         holder = EngineHolder(load_kwargs={k: v for k, v in load_kwargs.items() if v is not None})
         path = args.model
         if path is None:

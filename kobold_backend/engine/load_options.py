@@ -4,16 +4,19 @@ split planned against free memory by kobold_backend.engine.device_map.
 
 Parameter ids: "valid_layers" (the "Valid Display" total), "<i>_Layers" per CUDA device, "CPU_Layers",
 "max_ctx", "compress_emb", "ntk_alpha", "cache_dtype" (the compute dtype), "kv_cache" (the KV cache's storage:
-fp16, q8, q4, k8v4), "embed_on_cpu", "speculative", "draft_model", "draft_tokens". Saved settings use the same ids.
+fp16, q8, q4, k8v4), "embed_on_cpu", "threads" (CPU threads; 0 = the physical cores), "speculative", "draft_model",
+"draft_tokens". Saved settings use the same ids.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.cpu_threads import MAX_THREADS, default_threads
 from kobold_backend.engine.device_map import HardwareProbe, plan_split
 from kobold_backend.engine.speculative import MAX_DRAFT_TOKENS
 from kobold_backend.errors import KoboldBackendError, RequestError
@@ -245,8 +248,33 @@ def requested_parameters(
         "extra_classes": "",
         "refresh_model_inputs": False,
     })
+    params.append(_threads_parameter(saved))
     params.extend(_speculation_parameters(saved))
     return params
+
+
+def _threads_parameter(saved: Dict[str, Any]) -> Dict[str, Any]:
+    """CPU threads for torch and the native CPU kernels; 0 = the engine's default (the physical cores)."""
+    cores = default_threads()
+    try:
+        value = max(0, min(MAX_THREADS, _as_int(saved.get("threads", 0), "threads")))
+    except RequestError:
+        value = 0
+    return {
+        "uitype": "slider",
+        "unit": "int",
+        "label": "CPU threads (0 = physical cores)",
+        "id": "threads",
+        "min": 0,
+        "max": max(cores, value, os.cpu_count() or 1),
+        "step": 1,
+        "default": value,
+        "tooltip": f"Threads for the layers on the CPU; 0 uses the physical cores ({cores} here). Fewer help when "
+                   "other programs keep the cores busy.",
+        "menu_path": MENU_CONFIG,
+        "extra_classes": "",
+        "refresh_model_inputs": False,
+    }
 
 
 def _speculation_parameters(saved: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -315,6 +343,7 @@ class LoadOptions:
     layer_counts: Dict[str, int]
     cache_dtype: str = "fp16"
     speculation: Optional[Dict[str, Any]] = None  # load_model's speculative / draft_model / draft_tokens
+    threads: Optional[int] = None  # None: the engine's default (engine/cpu_threads.py)
 
     def load_kwargs(self) -> Dict[str, Any]:
         return {
@@ -326,6 +355,7 @@ class LoadOptions:
             "dtype": self.dtype,
             "embed_on_cpu": self.embed_on_cpu,
             "cache_dtype": self.cache_dtype,
+            **({"threads": self.threads} if self.threads else {}),  # else the host's own setting stays
             **(self.speculation or {}),  # only when submitted: else the server's own flags stay
         }
 
@@ -376,6 +406,9 @@ def load_options(
         raise RequestError(f"kv_cache {kv} needs a head size that is a multiple of 32; this model's is "
                            f"{config.head_dim}", "kv_cache")
     embed_on_cpu = _as_bool(values.get("embed_on_cpu", False))
+    threads = _as_int(values.get("threads", 0) or 0, "threads")
+    if not 0 <= threads <= MAX_THREADS:
+        raise RequestError(f"threads must be between 0 (the physical cores) and {MAX_THREADS}", "threads")
     speculation = _speculation_values(values)
     spec_kwargs: Optional[Dict[str, Any]] = None
     if speculation["speculative"] != "off":
@@ -383,7 +416,7 @@ def load_options(
     elif "speculative" in values:  # an explicit "off" also switches off what the server was started with
         spec_kwargs = {"speculative": "off"}
     saved = dict(split, max_ctx=max_ctx, compress_emb=compress, ntk_alpha=alpha, cache_dtype=dtype,
-                 kv_cache=kv, embed_on_cpu=embed_on_cpu, speculative=speculation["speculative"],
+                 kv_cache=kv, embed_on_cpu=embed_on_cpu, threads=threads, speculative=speculation["speculative"],
                  draft_model=speculation.get("draft_model", NO_DRAFT), draft_tokens=speculation["draft_tokens"])
     uniform = len(set(layer_devices)) <= 1
     return LoadOptions(
@@ -397,6 +430,7 @@ def load_options(
         values=saved,
         cache_dtype=kv,
         speculation=spec_kwargs,
+        threads=threads or None,
         layer_counts={("cpu" if key == CPU_LAYERS else f"cuda:{key[: -len('_Layers')]}"): count
                       for key, count in split.items()},
     )

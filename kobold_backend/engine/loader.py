@@ -107,6 +107,7 @@ def load_model(
     speculative: str = "off",
     draft_model: Optional[Union[str, Path]] = None,
     draft_tokens: int = 0,
+    threads: Optional[int] = None,
 ) -> LoadedModel:
     """Load a checkpoint of a registered architecture from a folder (dense or GPTQ 4-bit) or a GGUF file.
 
@@ -115,11 +116,14 @@ def load_model(
     cache's storage (engine/cache.py CACHE_DTYPES: fp16 = the layers' dtype, q8, q4, k8v4).
     `speculative` ("off", "ngram", "draft") with `draft_model` and `draft_tokens`: see engine/speculative.py; the
     draft model (ignored when off) goes on the head's device with the target's dtype and context, and must share
-    the tokenizer.
+    the tokenizer. `threads`: CPU threads for torch and the native CPU kernels (default: the physical cores;
+    engine/cpu_threads.py).
     """
+    from kobold_backend.engine.cpu_threads import apply_threads
     from kobold_backend.engine.speculative import check_speculation
 
     check_speculation(speculative, draft_model, draft_tokens)
+    cpu_threads = apply_threads(threads)
     folder = Path(path)
     cache_schemes(cache_dtype)
     reader: Union[WeightReader, GGUFWeights]
@@ -153,8 +157,8 @@ def load_model(
         model = _build(reader, config, main, per_layer, compute_dtype, seq_len, embed_on_cpu,
                        rope_alpha, compress_pos_emb, progress, cache_dtype)
     fmt = describe(config, model.layers)
-    log.info("loaded %s (%s, %s): %d layers, %.1f MB of weights on %s, %s KV cache", folder.name,
-             config.architecture, fmt, config.num_layers, model.nbytes / 1e6, main, cache_dtype)
+    log.info("loaded %s (%s, %s): %d layers, %.1f MB of weights on %s, %s KV cache, %d CPU threads", folder.name,
+             config.architecture, fmt, config.num_layers, model.nbytes / 1e6, main, cache_dtype, cpu_threads)
     lm = LoadedModel(model=model, tokenizer=tokenizer,  # type: ignore[arg-type]
                      config=config, path=folder, name=folder.name, weight_format=fmt)
     if speculative != "off":
