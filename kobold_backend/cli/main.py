@@ -161,7 +161,9 @@ class _Interrupt:
 
 
 def _interrupted() -> int:
-    """One sentence on stderr (after the progress bar's line on a terminal) and exit status 130, as shells use."""
+    """One sentence on stderr (after the progress bar's line on a terminal) and exit status 130, as shells use.
+    Log records from here on (torch logs statistics at exit when its import was cut short) are dropped."""
+    logging.disable(logging.WARNING)
     sys.stderr.write(("\n" if sys.stderr.isatty() else "") + "kobold-backend: stopped by Ctrl-C.\n")
     return 130
 

@@ -68,12 +68,12 @@ def check_threads(threads: Optional[int]) -> Optional[int]:
 
 
 def apply_threads(threads: Optional[int] = None) -> int:
-    """Use `threads` CPU threads (default: the physical cores) in torch and the native CPU kernels; returns the
-    count applied."""
+    """Use `threads` CPU threads (default: the physical cores) in torch and the native CPU kernels; returns torch's
+    count after applying it (what every kernel call then gets)."""
     import torch
 
     n = check_threads(threads) or default_threads()
     prepare_environment()
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
-    return n
+    return torch.get_num_threads()

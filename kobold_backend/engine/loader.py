@@ -157,7 +157,7 @@ def load_model(
         model = _build(reader, config, main, per_layer, compute_dtype, seq_len, embed_on_cpu,
                        rope_alpha, compress_pos_emb, progress, cache_dtype)
     fmt = describe(config, model.layers)
-    log.info("loaded %s (%s, %s): %d layers, %.1f MB of weights on %s, %s KV cache, %d CPU threads", folder.name,
+    log.info("loaded %s (%s, %s): %d layers, %.1f MB of weights on %s, %s KV cache, CPU threads: %d", folder.name,
              config.architecture, fmt, config.num_layers, model.nbytes / 1e6, main, cache_dtype, cpu_threads)
     lm = LoadedModel(model=model, tokenizer=tokenizer,  # type: ignore[arg-type]
                      config=config, path=folder, name=folder.name, weight_format=fmt)

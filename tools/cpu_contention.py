@@ -1,0 +1,87 @@
+"""CPU decode speed with the cores idle and with every core busy: `kobold-backend generate` on a model, first alone,
+then beside one busy-loop process per logical CPU (the "another job on the machine" case of issue 35), repeated,
+the median of each. The figures of docs/performance.md ("CPU: decode on a busy machine") come from here.
+
+    python tools/cpu_contention.py [--model PATH] [--runs 3] [--tokens 100] [-- extra generate flags]
+
+Without --model: the built-in demo model, then the GPTQ fixture gptq_v1_sym_g32 of tests/fixtures/checkpoints.py
+(built in a temporary folder). Each line: the model, the flags, idle and busy tokens/s, and busy / idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+RATE = re.compile(r"new tokens at ([0-9.]+) tokens/s")
+HOG = "while True: pass"
+
+
+def decode_rate(model: Optional[str], tokens: int, extra: List[str]) -> float:
+    """Tokens/s of one `kobold-backend generate` run (a seed whose continuation does not stop early)."""
+    cmd = [sys.executable, "-m", "kobold_backend.cli", "generate", "--prompt", "Once upon a time", "--seed", "1",
+           "--max-new-tokens", str(tokens), *(["--model", model] if model else []), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=600)
+    found = RATE.search(proc.stderr)
+    if proc.returncode != 0 or found is None:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr[-800:]}")
+    return float(found.group(1))
+
+
+def busy(count: int) -> List[subprocess.Popen]:
+    """`count` processes that each keep one CPU busy until killed."""
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(count)]
+    time.sleep(0.5)
+    return hogs
+
+
+def measure(model: Optional[str], runs: int, tokens: int, extra: List[str]) -> Tuple[float, float]:
+    """(idle, busy) median tokens/s, the runs interleaved so that a change in the machine's load hits both."""
+    idle, loaded = [], []
+    for _ in range(runs):
+        idle.append(decode_rate(model, tokens, extra))
+        hogs = busy(os.cpu_count() or 1)
+        try:
+            loaded.append(decode_rate(model, tokens, extra))
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
+    return statistics.median(idle), statistics.median(loaded)
+
+
+def fixture_model(root: Path) -> str:
+    sys.path.insert(0, str(ROOT))
+    from tests.fixtures.checkpoints import CheckpointFactory
+
+    return str(CheckpointFactory(root).get("gptq_v1_sym_g32").path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a model folder or .gguf file (default: demo + fixture)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("extra", nargs="*", help="more `generate` flags, after --")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        models = [args.model] if args.model else [None, fixture_model(Path(tmp))]
+        for model in models:
+            idle, loaded = measure(model, args.runs, args.tokens, args.extra)
+            name = Path(model).name if model else "demo"
+            print(f"{name} {' '.join(args.extra) or '(default threads)'}: idle {idle:.1f} tok/s, "
+                  f"{os.cpu_count()} busy loops {loaded:.1f} tok/s, busy/idle {loaded / idle:.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
