@@ -94,6 +94,17 @@ def existing_path(text: str) -> str:
     return str(Path(text).expanduser())
 
 
+def model_path(text: str) -> str:
+    """A model folder or a .gguf file (engine/model_path.py says what else it is; the loader checks inside)."""
+    from kobold_backend.engine.model_path import model_path_problem
+
+    path = Path(text).expanduser()
+    problem = model_path_problem(path)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem.rstrip("."))
+    return str(path)
+
+
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 

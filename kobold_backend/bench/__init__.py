@@ -32,13 +32,20 @@ DEFAULT_COMPARE = "exllamav2,transformers"
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from kobold_backend.flag_types import add_threads_argument, device_name, existing_file, existing_path, int_at_least
+    from kobold_backend.flag_types import (
+        add_threads_argument,
+        device_name,
+        existing_file,
+        existing_path,
+        int_at_least,
+        model_path,
+    )
 
     p = sub.add_parser("bench", help="measure speed (prompt, decode, chat turn, memory, roofline)",
                        description="Time prompt processing, decoding, a chat turn and memory on a model (or a "
                                    "synthetic GPTQ checkpoint of a preset's shape), optionally beside exllamav2 and "
                                    "transformers; docs/performance.md explains the figures.")
-    p.add_argument("--model", type=existing_path, metavar="DIR",
+    p.add_argument("--model", type=model_path, metavar="DIR",
                    help="checkpoint folder (default: build a synthetic GPTQ one of --preset's shape)")
     p.add_argument("--preset", default="llama2-7b", choices=sorted(PRESETS), metavar="NAME",
                    help="shape of the synthetic checkpoint: " + ", ".join(sorted(PRESETS)))
@@ -63,7 +70,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "--draft-preset or --draft-model, a draft model, on repetitive and random text")
     p.add_argument("--draft-preset", default=None, choices=sorted(PRESETS), metavar="NAME",
                    help="shape of a synthetic draft checkpoint for --speculative (e.g. qwen2.5-0.5b for qwen2.5-7b)")
-    p.add_argument("--draft-model", type=existing_path, default=None, metavar="DIR",
+    p.add_argument("--draft-model", type=model_path, default=None, metavar="DIR",
                    help="a real draft checkpoint for --speculative (instead of --draft-preset)")
     p.add_argument("--draft-tokens", type=int_at_least(1, 16), default=4, metavar="K",
                    help="tokens drafted per round for --speculative (default 4)")

@@ -59,9 +59,7 @@ def run_generate(args: argparse.Namespace) -> int:
     s = generator.stats
     rate = s.completion_tokens / s.decode_seconds if s.decode_seconds > 0 else 0.0
     log.info("%d prompt tokens in %.3f s, %d new tokens at %.1f tokens/s (%s)", s.prompt_tokens,
-             s.prefill_seconds, s.completion_tokens, rate, s.finish_reason)
-    if s.speculation is not None:
-        log.info("speculation: %s", s.speculation.describe())
+             s.prefill_seconds, s.completion_tokens, rate, s.finish_reason)  # the generator logs the speculation
     return 0
 
 

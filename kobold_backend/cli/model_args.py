@@ -14,9 +14,9 @@ from kobold_backend.flag_types import (
     add_threads_argument,
     device_name,
     dtype_name,
-    existing_path,
     float_in,
     int_at_least,
+    model_path,
 )
 from kobold_backend.progress import stderr_progress
 
@@ -28,7 +28,7 @@ log = logging.getLogger("kobold_backend")
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by every subcommand that loads a model."""
-    parser.add_argument("--model", type=existing_path, metavar="PATH",
+    parser.add_argument("--model", type=model_path, metavar="PATH",
                         help="model folder (safetensors: dense, GPTQ, AWQ) or a .gguf file (default: the built-in "
                              "demo model)")
     parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N")
@@ -50,7 +50,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative", choices=("off", "ngram", "draft"), default=None,
                         help="speculative decoding: ngram (prompt lookup, no second model) or draft (needs "
                              "--draft-model, which implies it); default off")
-    parser.add_argument("--draft-model", type=existing_path, default=None, metavar="DIR",
+    parser.add_argument("--draft-model", type=model_path, default=None, metavar="DIR",
                         help="a small model with the same tokenizer that drafts tokens for the target to verify")
     parser.add_argument("--draft-tokens", type=int_at_least(1, 16), default=None, metavar="K",
                         help="tokens drafted per round (default: 4 with a draft model, 5 with ngram)")

@@ -48,7 +48,9 @@ class ModelConfig(ConfigData):
         if folder.suffix == ".gguf" and folder.is_file():
             return cls._from_gguf(folder)
         if not folder.is_dir():
-            raise ModelFormatError(f"Model folder {folder} does not exist or is not a folder.")
+            from kobold_backend.engine.model_path import model_path_problem
+
+            raise ModelFormatError(model_path_problem(folder) or f"{folder} is not a folder.")
         cfg_path = folder / "config.json"
         if not cfg_path.is_file():
             gguf = sorted(folder.glob("*.gguf"))

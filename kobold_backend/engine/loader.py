@@ -22,8 +22,9 @@ from kobold_backend.engine.gptq import load_gptq_linear
 from kobold_backend.engine.mlp_fold import fold_down_permutation
 from kobold_backend.engine.model import Layer, Model, Weight
 from kobold_backend.engine.rope import cos_sin_tables
+from kobold_backend.engine.stored_format import stored_format
 from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
-from kobold_backend.engine.weight_format import WeightFormat, describe
+from kobold_backend.engine.weight_format import WeightFormat
 from kobold_backend.engine.weights import WeightReader
 from kobold_backend.errors import ModelFormatError
 from kobold_backend.ops.exl2_weight import EXL2Weight
@@ -156,7 +157,7 @@ def load_model(
         check_cache_memory(config, per_layer, compute_dtype, seq_len, cache_dtype)
         model = _build(reader, config, main, per_layer, compute_dtype, seq_len, embed_on_cpu,
                        rope_alpha, compress_pos_emb, progress, cache_dtype)
-    fmt = describe(config, model.layers)
+    fmt = stored_format(folder)  # the one computation of format and bits per weight, doctor's too
     log.info("loaded %s (%s, %s): %d layers, %.1f MB of weights on %s, %s KV cache, CPU threads: %d", folder.name,
              config.architecture, fmt, config.num_layers, model.nbytes / 1e6, main, cache_dtype, cpu_threads)
     lm = LoadedModel(model=model, tokenizer=tokenizer,  # type: ignore[arg-type]
