@@ -136,3 +136,28 @@ def test_ctrl_c_turned_into_a_library_error_is_still_ctrl_c(slow_model: Path) ->
                              "--prompt", "Hi"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     after = _interrupt_when(proc, "reading ")
     _assert_stopped(proc, after)
+
+
+def test_a_file_given_as_the_model_says_what_it_is_before_torch(tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a model")
+    proc = subprocess.run([sys.executable, "-c", PROBE, "generate", "--model", str(notes), "--prompt", "x"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stderr.splitlines() == [
+        f"kobold-backend generate: error: argument --model: {notes} is a .txt file, not a model: give a model folder "
+        "(config.json and .safetensors files) or a .gguf file (see kobold-backend generate --help)",
+        "torch imported: False"]
+
+
+def test_generate_logs_progress_as_lines_and_speculation_once(checkpoints: Any) -> None:
+    """stderr to a file (not a terminal): plain progress lines, no carriage returns; the speculation summary once
+    (the command line printed it a second time)."""
+    model = checkpoints.get("gptq_v1_sym_g32").path
+    proc = subprocess.run([sys.executable, "-m", "kobold_backend.cli", "generate", "--model", str(model), "--prompt",
+                           "a b a b a b", "--max-new-tokens", "8", "--speculative", "ngram", "--device", "cpu"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "\r" not in proc.stderr
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("loading: ")]
+    assert progress[0] == "loading: 1/4 embeddings" and progress[-1] == "loading: 4/4 head", progress
+    assert proc.stderr.count("speculation: ") == 1, proc.stderr
