@@ -90,7 +90,7 @@ def test_load_demo_stream_and_stop(server: Any, browser: Any) -> None:
     by_id("load-btn").click()
     wait_until(lambda: by_id("status").text.startswith("model:"), timeout=240)
     assert "context 512 tokens" in by_id("status").text
-XX
+    assert "· GPTQ 4-bit g64, 4.41 bpw ·" in by_id("status").text  # the demo's weight format, as /ui/status says
     assert by_id("demo-badge").is_displayed()
     assert "trained on licence texts" in by_id("demo-badge").text
     shot(browser, "1-demo-loaded")
