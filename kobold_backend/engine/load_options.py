@@ -24,23 +24,23 @@ from kobold_backend.errors import KoboldBackendError, RequestError
 CPU_LAYERS = "CPU_Layers"
 MENU_LAYERS = "Layers"
 MENU_CONFIG = "Configuration"
-CACHE_DTYPES = (
-    ("auto", "Auto (float16 on GPU, bfloat16 for bfloat16 checkpoints; float32 on CPU)"),
+CACHE_DTYPES = (  # short texts: a dropdown shows one line (the page's is about 290 pixels wide); the tooltip explains
+    ("auto", "Auto (by device and checkpoint)"),
     ("float16", "16-bit float (float16)"),
     ("bfloat16", "16-bit brain float (bfloat16)"),
-    ("float32", "32-bit float (float32, CPU-sized memory)"),
+    ("float32", "32-bit float (float32)"),
 )
 SPECULATIVE_MODES = (
     ("off", "Off"),
-    ("ngram", "Prompt lookup (n-gram drafts, no second model)"),
-    ("draft", "Draft model (the folder below; same tokenizer)"),
+    ("ngram", "Prompt lookup (n-gram drafts)"),
+    ("draft", "Draft model (the folder below)"),
 )
 NO_DRAFT = "none"  # the draft-folder field's empty value (United refuses a parameter whose default is "")
 KV_CACHES = (
-    ("fp16", "16-bit (the compute dtype; largest, exact)"),
-    ("q8", "8-bit (about half the memory; near-lossless)"),
-    ("k8v4", "8-bit keys, 4-bit values (about 40 % of 16-bit)"),
-    ("q4", "4-bit (about a quarter of the memory; small quality loss)"),
+    ("fp16", "16-bit (exact)"),
+    ("q8", "8-bit (half the memory)"),
+    ("k8v4", "8-bit keys, 4-bit values"),
+    ("q4", "4-bit (a quarter; some loss)"),
 )
 CTX_STEP = 256
 DEFAULT_CTX_CAP = 8192
@@ -217,7 +217,9 @@ def requested_parameters(
         "label": "Compute / KV cache dtype",
         "id": "cache_dtype",
         "default": dtype if dtype in dict(CACHE_DTYPES) else "auto",
-        "tooltip": "The dtype of activations and of the KV cache (layers on the CPU always use float32).",
+        "tooltip": "The dtype of activations and of the KV cache. Auto: float16 on a GPU, bfloat16 for bfloat16 "
+                   "checkpoints, float32 on the CPU (layers on the CPU always use float32, which takes twice the "
+                   "memory of 16 bits).",
         "children": [{"text": text, "value": value} for value, text in CACHE_DTYPES],
         "menu_path": MENU_CONFIG,
         "extra_classes": "",
@@ -231,7 +233,9 @@ def requested_parameters(
         "id": "kv_cache",
         "default": kv if kv in dict(KV_CACHES) else "fp16",
         "tooltip": ("How the KV cache stores keys and values: 8- or 4-bit groups of 32 with fp16 scales fit a "
-                    "longer context in the same memory (like exllamav2's Q8/Q4 cache or KoboldCpp's --quantkv)."),
+                    "longer context in the same memory (like exllamav2's Q8/Q4 cache or KoboldCpp's --quantkv): "
+                    "16-bit is the compute dtype, exact; 8-bit about half of it, near-lossless; 8-bit keys with "
+                    "4-bit values about 40 %; 4-bit about a quarter, with a small quality loss."),
         "children": [{"text": text, "value": value} for value, text in KV_CACHES],
         "menu_path": MENU_CONFIG,
         "extra_classes": "",
@@ -290,7 +294,8 @@ def _speculation_parameters(saved: Dict[str, Any]) -> List[Dict[str, Any]]:
         dict(common, uitype="dropdown", unit="text", label="Speculative decoding", id="speculative",
              default=mode if mode in dict(SPECULATIVE_MODES) else "off",
              tooltip="Draft several tokens cheaply and let the model check them in one pass: same output "
-                     "distribution, faster when the drafts are often right (repetitive text, a good draft model).",
+                     "distribution, faster when the drafts are often right (repetitive text, a good draft model). "
+                     "Prompt lookup needs no second model; a draft model must share the tokenizer.",
              children=[{"text": text, "value": value} for value, text in SPECULATIVE_MODES]),
         dict(common, uitype="text", unit="text", label="Draft model folder", id="draft_model",
              default=str(saved.get("draft_model", "") or NO_DRAFT),
