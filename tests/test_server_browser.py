@@ -1,5 +1,5 @@
-"""The web page in headless Chromium (selenium): load the demo model, stream a story, stop it, chat; screenshots
-go to tests/_artifacts/."""
+"""The web page in headless Chromium (selenium): load the demo model, stream a story, stop it, chat; the picker
+shows the loaded model, and what cannot work is disabled; screenshots go to tests/_artifacts/."""
 
 from __future__ import annotations
 

@@ -2,7 +2,10 @@
 then beside one busy-loop process per logical CPU (the "another job on the machine" case of issue 35), repeated,
 the median of each. The figures of docs/performance.md ("CPU: decode on a busy machine") come from here.
 
-    python tools/cpu_contention.py [--model PATH] [--runs 3] [--tokens 100] [-- extra generate flags]
+    python tools/cpu_contention.py [--model PATH] [--runs 3] [--tokens 100] [--root DIR] [-- extra generate flags]
+
+--root runs the `kobold_backend` of another checkout (e.g. `git archive` of an earlier commit, with this one's
+compiled `_ext_cpu` copied in) with this environment's Python, for a before/after comparison on the same machine.
 
 Without --model: the built-in demo model, then the GPTQ fixture gptq_v1_sym_g32 of tests/fixtures/checkpoints.py
 (built in a temporary folder). Each line: the model, the flags, idle and busy tokens/s, and busy / idle.
@@ -26,11 +29,12 @@ RATE = re.compile(r"new tokens at ([0-9.]+) tokens/s")
 HOG = "while True: pass"
 
 
-def decode_rate(model: Optional[str], tokens: int, extra: List[str]) -> float:
+def decode_rate(model: Optional[str], tokens: int, extra: List[str], root: Path = ROOT) -> float:
     """Tokens/s of one `kobold-backend generate` run (a seed whose continuation does not stop early)."""
     cmd = [sys.executable, "-m", "kobold_backend.cli", "generate", "--prompt", "Once upon a time", "--seed", "1",
            "--max-new-tokens", str(tokens), *(["--model", model] if model else []), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=600)
+    env = dict(os.environ, PYTHONPATH=str(root))  # before an editable install's path hook
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(root), env=env, timeout=600)
     found = RATE.search(proc.stderr)
     if proc.returncode != 0 or found is None:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr[-800:]}")
@@ -44,14 +48,14 @@ def busy(count: int) -> List[subprocess.Popen]:
     return hogs
 
 
-def measure(model: Optional[str], runs: int, tokens: int, extra: List[str]) -> Tuple[float, float]:
+def measure(model: Optional[str], runs: int, tokens: int, extra: List[str], root: Path = ROOT) -> Tuple[float, float]:
     """(idle, busy) median tokens/s, the runs interleaved so that a change in the machine's load hits both."""
     idle, loaded = [], []
     for _ in range(runs):
-        idle.append(decode_rate(model, tokens, extra))
+        idle.append(decode_rate(model, tokens, extra, root))
         hogs = busy(os.cpu_count() or 1)
         try:
-            loaded.append(decode_rate(model, tokens, extra))
+            loaded.append(decode_rate(model, tokens, extra, root))
         finally:
             for hog in hogs:
                 hog.kill()
@@ -71,12 +75,13 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="a model folder or .gguf file (default: demo + fixture)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("--root", type=Path, default=ROOT, help="the checkout whose kobold_backend runs")
     parser.add_argument("extra", nargs="*", help="more `generate` flags, after --")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         models = [args.model] if args.model else [None, fixture_model(Path(tmp))]
         for model in models:
-            idle, loaded = measure(model, args.runs, args.tokens, args.extra)
+            idle, loaded = measure(model, args.runs, args.tokens, args.extra, args.root)
             name = Path(model).name if model else "demo"
             print(f"{name} {' '.join(args.extra) or '(default threads)'}: idle {idle:.1f} tok/s, "
                   f"{os.cpu_count()} busy loops {loaded:.1f} tok/s, busy/idle {loaded / idle:.2f}", flush=True)
