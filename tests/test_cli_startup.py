@@ -24,7 +24,8 @@ PROBE = ("import sys\nfrom kobold_backend.cli.main import main\ntry:\n    main(s
 NO_TORCH_CASES = [
     ["--help"], ["--version"], ["generate", "--help"], ["serve", "--help"], ["bench", "--help"], ["doctor", "--help"],
     ["generate", "--prompt", "x", "--bogus"], ["generate", "--prompt", "x", "--threads", "0"],
-    ["serve", "--port", "99999"], ["generate"],
+    ["serve", "--port", "99999"], ["generate"], ["generate", "--prompt", "x", "--draft-tokens", "3"],
+    ["serve", "--draft-tokens", "3"], ["bench", "--contexts", "1"],
 ]
 
 

@@ -8,7 +8,8 @@ the median of each. The figures of docs/performance.md ("CPU: decode on a busy m
 compiled `_ext_cpu` copied in) with this environment's Python, for a before/after comparison on the same machine.
 
 Without --model: the built-in demo model, then the GPTQ fixture gptq_v1_sym_g32 of tests/fixtures/checkpoints.py
-(built in a temporary folder). Each line: the model, the flags, idle and busy tokens/s, and busy / idle.
+(built in a temporary folder). Each line: the model, the flags, idle and busy tokens/s (medians; the slowest busy
+run too, since a collapse comes and goes with the rest of the machine's load), and busy / idle.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def busy(count: int) -> List[subprocess.Popen]:
     return hogs
 
 
-def measure(model: Optional[str], runs: int, tokens: int, extra: List[str], root: Path = ROOT) -> Tuple[float, float]:
-    """(idle, busy) median tokens/s, the runs interleaved so that a change in the machine's load hits both."""
+def rates(model: Optional[str], runs: int, tokens: int, extra: List[str], root: Path = ROOT
+          ) -> Tuple[List[float], List[float]]:
+    """Tokens/s of each run idle and busy, the runs interleaved so that a change in the machine's load hits both."""
     idle, loaded = [], []
     for _ in range(runs):
         idle.append(decode_rate(model, tokens, extra, root))
@@ -60,6 +62,12 @@ def measure(model: Optional[str], runs: int, tokens: int, extra: List[str], root
             for hog in hogs:
                 hog.kill()
                 hog.wait()
+    return idle, loaded
+
+
+def measure(model: Optional[str], runs: int, tokens: int, extra: List[str], root: Path = ROOT) -> Tuple[float, float]:
+    """(idle, busy) median tokens/s."""
+    idle, loaded = rates(model, runs, tokens, extra, root)
     return statistics.median(idle), statistics.median(loaded)
 
 
@@ -81,10 +89,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         models = [args.model] if args.model else [None, fixture_model(Path(tmp))]
         for model in models:
-            idle, loaded = measure(model, args.runs, args.tokens, args.extra, args.root)
+            idle, loaded = rates(model, args.runs, args.tokens, args.extra, args.root)
+            mid_idle, mid_busy = statistics.median(idle), statistics.median(loaded)
             name = Path(model).name if model else "demo"
-            print(f"{name} {' '.join(args.extra) or '(default threads)'}: idle {idle:.1f} tok/s, "
-                  f"{os.cpu_count()} busy loops {loaded:.1f} tok/s, busy/idle {loaded / idle:.2f}", flush=True)
+            print(f"{name} {' '.join(args.extra) or '(default threads)'}: idle {mid_idle:.1f} tok/s, "
+                  f"{os.cpu_count()} busy loops {mid_busy:.1f} tok/s (slowest {min(loaded):.1f}), busy/idle "
+                  f"{mid_busy / mid_idle:.2f} (slowest {min(loaded) / mid_idle:.2f})", flush=True)
     return 0
 
 

@@ -19,7 +19,7 @@ import sys
 from typing import TYPE_CHECKING, Any, List, Optional
 
 from kobold_backend import __version__
-from kobold_backend.cli.model_args import add_model_arguments, load_from_args
+from kobold_backend.cli.model_args import add_model_arguments, checked_speculation_kwargs, load_from_args
 from kobold_backend.cli.serve import add_serve_parser, run_serve
 from kobold_backend.errors import KoboldBackendError
 from kobold_backend.flag_types import ArgumentParser, HelpFormatter, float_in, int_at_least
@@ -47,6 +47,7 @@ def generate_request(args: argparse.Namespace, tokenizer: Any) -> GenerationRequ
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    checked_speculation_kwargs(args)  # a bad combination of flags is a usage error before torch is imported
     from kobold_backend.engine.generator import Generator
 
     lm = load_from_args(args)

@@ -77,8 +77,12 @@ def _chat_template(path: Optional[Path]) -> Optional[str]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Bind the port, load the model, then serve until interrupted."""
+    """Bind the port, load the model, then serve until interrupted. The flags are checked before the server's
+    modules (and torch) are imported."""
     from kobold_backend.cli.model_args import checked_speculation_kwargs
+
+    chat_template = _chat_template(args.chat_template)
+    speculation = checked_speculation_kwargs(args)
     from kobold_backend.cli.split import split_from_args
     from kobold_backend.progress import stderr_progress
     from kobold_backend.server.app import create_app
@@ -87,8 +91,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from kobold_backend.server.engine_holder import EngineHolder
     from kobold_backend.server.wsgi import AddressUnavailable, WaitressServer, bind_listening_socket
 
-    chat_template = _chat_template(args.chat_template)
-    speculation = checked_speculation_kwargs(args)
     passthrough = None
     if args.enable_passthrough:
         from kobold_backend.engine.passthrough import PassthroughConfig

@@ -43,7 +43,7 @@ CPU_SIGNATURES: Dict[str, Tuple[str, ...]] = {
 }
 # Weights (multiply-adds) a thread of a GEMV or dequantization gets at least: below that, waking a thread for an
 # OpenMP region costs more than it saves (the kernels without an `if` clause of their own; the others have one).
-MIN_WEIGHTS_PER_THREAD = 1 << 16
+MIN_WEIGHTS_PER_THREAD = 1 << 18
 
 
 def threads_for(weights: int) -> int:
