@@ -16,6 +16,7 @@ import logging
 import math
 import signal
 import sys
+import threading
 from typing import TYPE_CHECKING, Any, List, Optional
 
 from kobold_backend import __version__
@@ -158,6 +159,14 @@ class _Interrupt:
         cls.seen = True
         raise KeyboardInterrupt
 
+    @classmethod
+    def install(cls) -> Any:
+        """Install the handler (main thread only: elsewhere Ctrl-C never arrives); returns the one it replaced."""
+        cls.seen = False
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        return signal.signal(signal.SIGINT, cls.handler)
+
 
 def _interrupted() -> int:
     """One sentence on stderr (after the progress bar's line on a terminal) and exit status 130, as shells use.
@@ -171,6 +180,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     from kobold_backend.engine.cpu_threads import prepare_environment
 
     prepare_environment()  # before torch's OpenMP runtime starts: waiting threads sleep instead of spinning
+    previous = _Interrupt.install()
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        return _interrupted()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _run(argv: Optional[List[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -178,11 +198,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
-    signal.signal(signal.SIGINT, _Interrupt.handler)
     try:
         return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        return _interrupted()
     except KoboldBackendError as exc:
         if _Interrupt.seen:
             return _interrupted()
