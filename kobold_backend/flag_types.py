@@ -129,8 +129,9 @@ def add_threads_argument(parser: argparse.ArgumentParser) -> None:
     from kobold_backend.engine.cpu_threads import MAX_THREADS, default_threads
 
     parser.add_argument("--threads", type=int_at_least(1, MAX_THREADS), default=None, metavar="N",
-                        help=f"CPU threads for torch and the native CPU kernels, 1-{MAX_THREADS} (default: the "
-                             f"physical cores this process may use, {default_threads()} here)")
+                        help=f"CPU threads for torch and the native CPU kernels, 1-{MAX_THREADS} (default: "
+                             f"$OMP_NUM_THREADS if set, else the physical cores this process may use; "
+                             f"{default_threads()} here)")
 
 
 DTYPES = {"float16": "float16", "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32",

@@ -19,6 +19,7 @@ from tests.test_server_cli import REPO
 
 
 def test_default_is_physical_cores_not_logical_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     # four logical CPUs, two cores with two hyperthreads each: two threads
     cores = {0: ("0", "0"), 1: ("0", "1"), 2: ("0", "0"), 3: ("0", "1")}
     monkeypatch.setattr(cpu_threads, "_allowed_cpus", lambda: set(cores))
@@ -33,6 +34,13 @@ def test_default_is_physical_cores_not_logical_cpus(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(cpu_threads, "_allowed_cpus", lambda: set(range(6)))
     monkeypatch.setattr(cpu_threads, "_core_of", lambda cpu: None)
     assert cpu_threads.default_threads() == 6
+
+
+def test_a_users_omp_num_threads_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_threads, "physical_cores", lambda: 8)
+    for value, expected in (("1", 1), ("3,2", 3), ("", 8), ("zero", 8), ("0", 8)):
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+        assert cpu_threads.default_threads() == expected, value
 
 
 def test_openmp_waits_passively_unless_the_user_says_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,13 +79,14 @@ def test_applied_count_reaches_the_native_kernels(monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.parametrize("flag", [["--threads", "1"], []], ids=["--threads 1", "default"])
 def test_generate_applies_the_thread_count(checkpoints: Any, flag: List[str]) -> None:
-    """The load log states torch's count after the engine applied it: the flag, else the physical cores."""
+    """The load log states torch's count after the engine applied it: the flag, else the default (the physical
+    cores unless OMP_NUM_THREADS is set)."""
     model = checkpoints.get("gptq_v1_sym_g32").path
     proc = subprocess.run([sys.executable, "-m", "kobold_backend.cli", "generate", "--model", str(model), "--prompt",
                            "Hi", "--max-new-tokens", "2", "--device", "cpu", *flag], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    expected = int(flag[1]) if flag else cpu_threads.physical_cores()
+    expected = int(flag[1]) if flag else cpu_threads.default_threads()
     assert f"CPU threads: {expected}\n" in proc.stderr, proc.stderr
 
 

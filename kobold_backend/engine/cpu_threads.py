@@ -1,15 +1,15 @@
 """How many threads the CPU work uses, decided and applied in one place: torch's intra-op pool and the native CPU
-kernels (kobold_backend/ops/cpu_kernels.py passes torch's count to every kernel call).
+kernels (kobold_backend/ops/cpu_kernels.py passes torch's count to every kernel call, fewer for small work).
 
-The default is the number of physical cores this process may run on (not logical CPUs: two hyperthreads of one
-core only contend for it). OpenMP threads that wait at a barrier sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE,
-GOMP_SPINCOUNT=0): on a machine whose cores are busy with other work, a spinning thread burns the time slice the
-thread it waits for needs, and decode collapses (docs/performance.md, "CPU"). Both OpenMP runtimes in the process
-read these variables once, when they start: torch's at `import torch` (so the command line calls
-`prepare_environment()` before importing torch) and the one of the compiled CPU kernels when they are first
-loaded. A variable the user already set is kept. This module imports torch only inside `apply_threads`.
+The default is OMP_NUM_THREADS where the user set it, else the number of physical cores this process may run on
+(not logical CPUs: two hyperthreads of one core only contend for it). OpenMP threads that wait at a barrier sleep
+instead of spinning (OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=0): on a machine whose cores are busy with other work,
+a spinning thread burns the time slice the thread it waits for needs, and decode collapses (docs/performance.md,
+"CPU: decode on busy cores"). Both OpenMP runtimes in the process read these variables once, when they start:
+torch's at `import torch` (so the command line calls `prepare_environment()` before importing torch) and the one of
+the compiled CPU kernels when they are first loaded. A variable the user already set is kept. This module imports
+torch only inside `apply_threads`.
 """
-
 from __future__ import annotations
 
 import os
@@ -54,7 +54,11 @@ def physical_cores() -> int:
 
 
 def default_threads() -> int:
-    """The thread count when none is asked for: the physical cores this process may use."""
+    """The thread count when none is asked for: OMP_NUM_THREADS when the user set it (its first level), else the
+    physical cores this process may use."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if first.isdigit() and 1 <= int(first) <= MAX_THREADS:
+        return int(first)
     return physical_cores()
 
 
