@@ -23,3 +23,7 @@ class ExtensionError(KoboldBackendError, ImportError):
 
 class OutOfContextError(KoboldBackendError, ValueError):
     """More tokens than the KV cache was allocated for."""
+
+
+class PlanError(KoboldBackendError, ValueError):
+    """A layer split that cannot work: counts that do not add up, an unknown device, or too little memory."""

@@ -94,6 +94,17 @@ def existing_path(text: str) -> str:
     return str(Path(text).expanduser())
 
 
+def model_path(text: str) -> str:
+    """A model folder or a .gguf file (engine/model_path.py says what else it is; the loader checks inside)."""
+    from kobold_backend.engine.model_path import model_path_problem
+
+    path = Path(text).expanduser()
+    problem = model_path_problem(path)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem.rstrip("."))
+    return str(path)
+
+
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -111,6 +122,16 @@ def device_name(text: str) -> str:
             seen = "no CUDA GPU" if count == 0 else f"{count} CUDA GPU(s), cuda:0 to cuda:{count - 1}"
             raise argparse.ArgumentTypeError(f"{value} was asked for but this torch build sees {seen}")
     return value
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """--threads N, which the command passes to the engine; the engine applies it (engine/cpu_threads.py)."""
+    from kobold_backend.engine.cpu_threads import MAX_THREADS, default_threads
+
+    parser.add_argument("--threads", type=int_at_least(1, MAX_THREADS), default=None, metavar="N",
+                        help=f"CPU threads for torch and the native CPU kernels, 1-{MAX_THREADS} (default: "
+                             f"$OMP_NUM_THREADS if set, else the physical cores this process may use; "
+                             f"{default_threads()} here)")
 
 
 DTYPES = {"float16": "float16", "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32",

@@ -357,31 +357,6 @@ def install_ext(python: str = sys.executable, say: Say = print, dry_run: bool = 
     return decision
 
 
-def doctor_lines() -> List[str]:
-    """The wheel decision for this interpreter, for `kobold-backend doctor`."""
-    path = default_index_path()
-    env = probe_here()
-    installed = env.get("installed_ext")
-    lines = [f"Prebuilt wheel installed: {DIST_NAME} {installed}" if installed else
-             f"Prebuilt wheel installed: none ({DIST_NAME} is not installed)"]
-    if not path.is_file():
-        lines.append(f"Prebuilt wheel index: none at {path}")
-        return lines
-    try:
-        decision = select(env, load_index(path)["entries"])
-    except WheelError as exc:
-        lines.append(str(exc))
-        return lines
-    if decision.entry is None:
-        lines.append(f"Wheel for this environment: none ({'; '.join(decision.reasons)}); kernels come from the JIT "
-                     "build or the torch reference")
-    else:
-        extra = f" (CPU only: {'; '.join(decision.reasons)})" if decision.reasons else ""
-        lines.append(f"Wheel for this environment: {decision.entry['wheel']}{extra}; `kobold-backend install-ext` "
-                     "installs it")
-    return lines
-
-
 # ---------------------------------------------------------------------------------------------- CLI
 
 

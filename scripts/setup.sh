@@ -49,4 +49,4 @@ install_package() {
 }
 step "installing kobold-backend$extras and its dependencies" install_package
 step "installing the native kernels" "$VPY" scripts/setup_kernels.py
-echo "setup: done; run .venv/bin/kobold-backend --help (.venv/bin/kobold-backend doctor shows the kernel paths)" >&2
+echo "setup: done; run .venv/bin/kobold-backend --help (.venv/bin/kobold-backend doctor says which kernels are in use and why)" >&2

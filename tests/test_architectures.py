@@ -309,7 +309,7 @@ def test_server_names_the_architecture(archs) -> None:
     try:
         c = app.test_client()
         assert c.get("/api/v1/model").get_json() == {"result": "kobold_backend/phi3", "architecture": "Phi3ForCausalLM",
-                                                     "format": "float32", "bits_per_weight": 32.0}
+                                                     "format": "float16", "bits_per_weight": 16.0}
         assert c.get("/ui/status").get_json()["architecture"] == "Phi3ForCausalLM"
     finally:
         app.extensions["kobold_backend"].close()

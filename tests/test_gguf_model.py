@@ -181,6 +181,23 @@ def test_weight_format_names_types_and_bits(spm_checkpoint: Path, tmp_path: Path
     assert dense.weight_format is not None and str(dense.weight_format) == "float32, 32.00 bpw"
 
 
+def test_load_log_and_doctor_give_one_figure_for_float16_layers(spm_checkpoint: Path, tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """float16 layer tensors of a GGUF file are float32 on the CPU: the load log once counted them at 32 bits (11.55
+    bpw) where doctor read 7.47 from the file. One computation now: the file's bits."""
+    from kobold_backend.doctor import model_line
+
+    write_gguf(spm_checkpoint, tmp_path, {"attn_q": "F16", "attn_k": "F16", "*": "Q8_0"})
+    path = tmp_path / "model.gguf"
+    with caplog.at_level("INFO", logger="kobold_backend.engine.loader"):
+        fmt = load_model(path, device="cpu").weight_format
+    h, kv, inter = SPM_SPEC.hidden_size, SPM_SPEC.num_kv_heads * SPM_SPEC.head_dim, SPM_SPEC.intermediate_size
+    f16, q8 = h * h + kv * h, kv * h + h * h + 3 * inter * h
+    assert fmt is not None and fmt.bits_per_weight == pytest.approx((16 * f16 + 8.5 * q8) / (f16 + q8))
+    assert model_line(str(path)) == f"model: model.gguf: LlamaForCausalLM, {fmt} as stored"
+    assert f"GGUF Q8_0, {fmt.bits_per_weight:.2f} bpw" in caplog.text
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("plan", ["Q4_K_M", "legacy"])
 def test_gpu_gguf_logits_match_cpu(plan: str, spm_checkpoint: Path, tmp_path: Path) -> None:

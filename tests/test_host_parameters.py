@@ -48,7 +48,7 @@ def test_keys_and_layer_check(model: Path, gpus: List[str]) -> None:
     ids = [p["id"] for p in params]
     layer_ids = [f"{i}_Layers" for i in range(len(gpus))] + ["CPU_Layers"]
     assert ids == ["valid_layers", *layer_ids, "max_ctx", "compress_emb", "ntk_alpha", "cache_dtype", "kv_cache",
-                   "embed_on_cpu", "speculative", "draft_model", "draft_tokens"]
+                   "embed_on_cpu", "threads", "speculative", "draft_model", "draft_tokens"]
     for p in params:
         assert COMMON_KEYS <= set(p), p["id"]
         assert p["uitype"] in UITYPES and p["unit"] in UNITS
@@ -106,6 +106,19 @@ def test_load_options_from_submitted_values(model: Path) -> None:
     assert (opts.device, opts.layer_devices) == ("cuda:1", None)
     opts = load_options({}, config, gpus=[])
     assert (opts.device, opts.layer_devices, opts.dtype, opts.max_seq_len) == ("cpu", None, None, 512)
+
+
+def test_threads_parameter_reaches_load_model(model: Path) -> None:
+    """United's "threads" (0 = the engine's default) becomes load_model's `threads`; a bad one names the field."""
+    config = ModelConfig.from_dir(model)
+    threads = next(p for p in requested_parameters(model, gpus=[]) if p["id"] == "threads")
+    assert threads["default"] == 0 and threads["min"] == 0 and threads["max"] >= 1
+    assert "threads" not in load_options({}, config, gpus=[]).load_kwargs()  # the host's own setting stays
+    opts = load_options({"threads": "1"}, config, gpus=[])
+    assert opts.load_kwargs()["threads"] == 1 and opts.values["threads"] == 1
+    with pytest.raises(RequestError, match="threads must be between 0") as err:
+        load_options({"threads": -2}, config, gpus=[])
+    assert err.value.field == "threads"
 
 
 @pytest.mark.parametrize("values,field", [

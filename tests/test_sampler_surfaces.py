@@ -15,13 +15,13 @@ import pytest
 from kobold_backend.cli.main import build_parser, generate_request
 from kobold_backend.engine import sampler_fields
 from kobold_backend.engine.sampler_fields import SAMPLER_FIELDS, SamplerField
-from kobold_backend.server import ServerConfig, create_app, openai_schemas
+from kobold_backend.server import ServerConfig, create_app, openai_schemas, schemas
 from kobold_backend.server.engine_holder import EngineHolder
 
 STATIC = Path(__file__).resolve().parent.parent / "kobold_backend" / "server" / "static"
 PAGE_OWN = {"max_length", "max_context_length", "sampler_seed"}  # request fields, not sampler settings
 ZETA = SamplerField("zeta", "number", 0.0, "A made-up setting.", minimum=0, maximum=2, kobold="zeta",
-                    openai_default=0.5, cli_default=0.25, page_label="Zeta <z>", page_step=0.1, page_default=1.5)
+                    openai_default=0.5, cli=True, page_label="Zeta <z>", page_step=0.1, page_default=1.5)
 
 
 def page_inputs() -> Dict[str, Dict[str, str]]:
@@ -65,8 +65,11 @@ def test_the_pages_files_name_no_sampler_setting() -> None:
 def test_the_cli_flags_and_openai_defaults_are_the_tables() -> None:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     flags = {a.dest: a.default for a in sub.choices["generate"]._actions if a.dest in sampler_fields.BY_NAME}
-    assert flags == {f.name: f.cli_default for f in SAMPLER_FIELDS if f.cli_default is not None}
-    assert flags == {"temperature": 0.7, "top_k": 0, "top_p": 0.92, "rep_pen": 1.0}
+    assert flags == {f.name: f.wire_default() for f in SAMPLER_FIELDS if f.cli}
+    # one default per setting: the command line's is the KoboldAI API's (top-k was 0 here and 100 there)
+    assert flags == {"temperature": 0.7, "top_k": 100, "top_p": 0.92, "rep_pen": 1.0}
+    api = schemas.parse_generate({"prompt": "x"})
+    assert flags == {name: getattr(api, name) for name in flags}
     params = openai_schemas.parse_completion({"prompt": "x"}).params
     assert (params.temperature, params.top_k, params.top_p) == (1.0, 0, 1.0)
     assert params.rep_pen_range == 320  # KoboldCpp's default where the table gives no OpenAI one
@@ -79,7 +82,7 @@ def test_a_new_setting_reaches_the_page_the_cli_and_openai(monkeypatch: pytest.M
     assert zeta["label"] == "Zeta &lt;z&gt;"
     assert (zeta["min"], zeta["max"], zeta["step"], zeta["value"]) == ("0", "2", "0.1", "1.5")
     args = build_parser().parse_args(["generate", "--prompt", "x"])
-    assert args.zeta == 0.25
+    assert args.zeta == 0.0  # the KoboldAI API's default (the engine's, which the table gives no other)
     with pytest.raises(TypeError, match="zeta"):  # the flag goes into the engine's settings: a real field
         generate_request(args, SimpleNamespace(encode=lambda text, add_bos: [1]))
     assert build_parser().parse_args(["generate", "--prompt", "x", "--zeta", "1.25"]).zeta == 1.25

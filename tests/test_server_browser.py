@@ -1,11 +1,12 @@
-"""The web page in headless Chromium (selenium): load the demo model, stream a story, stop it, chat; screenshots
-go to tests/_artifacts/."""
+"""The web page in headless Chromium (selenium): load the demo model, stream a story, stop it, chat; the picker
+shows the loaded model, and what cannot work is disabled; screenshots go to tests/_artifacts/."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import requests
@@ -90,7 +91,7 @@ def test_load_demo_stream_and_stop(server: Any, browser: Any) -> None:
     by_id("load-btn").click()
     wait_until(lambda: by_id("status").text.startswith("model:"), timeout=240)
     assert "context 512 tokens" in by_id("status").text
-    assert "· GPTQ 4-bit g64, 5.00 bpw ·" in by_id("status").text  # the demo's weight format, as /ui/status says
+    assert "· GPTQ 4-bit g64, 4.41 bpw ·" in by_id("status").text  # the demo's weight format, as /ui/status says
     assert by_id("demo-badge").is_displayed()
     assert "trained on licence texts" in by_id("demo-badge").text
     shot(browser, "1-demo-loaded")
@@ -148,3 +149,78 @@ def test_load_demo_stream_and_stop(server: Any, browser: Any) -> None:
     assert len(rendered) != len(plain)
     assert requests.get(server.url + "/api/extra/perf", timeout=10).json()["last_input_count"] == len(rendered)
     shot(browser, "4-chat")
+
+
+@pytest.fixture(scope="module")
+def served_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A models folder holding one GGUF file (and no demo model is loaded)."""
+    from tests.fixtures.checkpoints import CheckpointSpec, build_checkpoint
+    from tests.fixtures.gguf_files import write_gguf
+
+    root = tmp_path_factory.mktemp("page_gguf")
+    hf = build_checkpoint(CheckpointSpec("page_gguf", seed=45), root / "hf").path
+    write_gguf(hf, root / "written", {"token_embd": "F16", "*": "Q8_0"})
+    models = root / "models"
+    models.mkdir()
+    (root / "written" / "model.gguf").rename(models / "story.gguf")
+    return models
+
+
+@contextlib.contextmanager
+def page_with_gguf_loaded(browser: Any, models: Path, models_dir: Any) -> Iterator[Any]:
+    """Serve story.gguf (loaded at start, as `serve --model`), with or without --models-dir; open the page and
+    yield its element finder."""
+    from selenium.webdriver.common.by import By
+
+    holder = EngineHolder(load_kwargs={"device": "cpu"})
+    holder.load(models / "story.gguf")
+    with live_server(create_app(ServerConfig(models_dir=models_dir), holder)) as srv:
+        browser.get(srv.url + "/")
+        by_id = lambda name: browser.find_element(By.ID, name)  # noqa: E731
+        wait_until(lambda: by_id("status").text.startswith("model: story.gguf"))
+        wait_until(lambda: "(loaded)" in by_id("model-select").text)
+        yield by_id
+
+
+# The dropdown texts wider than their select (the select shows one line: the rest is cut off).
+CUT_OFF = """
+const cut = [];
+for (const sel of document.querySelectorAll('#load-params select')) {
+  const cs = getComputedStyle(sel);
+  const ctx = document.createElement('canvas').getContext('2d');
+  ctx.font = cs.font;
+  const room = sel.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight) - 20;
+  for (const o of sel.options) if (ctx.measureText(o.text).width > room) cut.push(o.text);
+}
+return cut;
+"""
+
+
+def test_the_picker_shows_the_loaded_gguf_and_no_option_is_cut_off(served_gguf: Path, browser: Any) -> None:
+    """The picker said "Demo model (built in)" while a GGUF was loaded; the dtype option was cut off."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    with page_with_gguf_loaded(browser, served_gguf, served_gguf) as by_id:
+        picker = Select(by_id("model-select"))
+        assert picker.first_selected_option.get_attribute("value") == "story.gguf"
+        assert picker.first_selected_option.text == "story.gguf (loaded)"
+        assert [o.text for o in picker.options] == ["Demo model (built in)", "story.gguf (loaded)"]
+        wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "select[data-param-id=cache_dtype]"))
+        assert by_id("load-btn").is_enabled() and by_id("model-select").is_enabled()
+        assert browser.execute_script(CUT_OFF) == []
+        shot(browser, "5-gguf-loaded")
+
+
+def test_without_models_dir_nothing_that_cannot_work_is_enabled(served_gguf: Path, browser: Any) -> None:
+    """Without --models-dir the page showed the demo in the picker, a red note and an enabled Load button."""
+    from selenium.webdriver.support.ui import Select
+
+    with page_with_gguf_loaded(browser, served_gguf, None) as by_id:
+        picker = Select(by_id("model-select"))
+        assert [o.text for o in picker.options] == ["story.gguf (loaded)"]
+        assert not by_id("model-select").is_enabled() and not by_id("load-btn").is_enabled()
+        assert not by_id("load-params").is_displayed()
+        note = by_id("load-msg")
+        assert "--models-dir" in note.text and "error" not in (note.get_attribute("class") or "")
+        shot(browser, "6-no-models-dir")

@@ -21,8 +21,6 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-import torch
-
 from kobold_backend import __version__
 from kobold_backend.bench.checkpoint import PRESETS, write_synthetic_gptq
 from kobold_backend.errors import KoboldBackendError
@@ -34,13 +32,20 @@ DEFAULT_COMPARE = "exllamav2,transformers"
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from kobold_backend.flag_types import device_name, existing_file, existing_path, int_at_least
+    from kobold_backend.flag_types import (
+        add_threads_argument,
+        device_name,
+        existing_file,
+        existing_path,
+        int_at_least,
+        model_path,
+    )
 
     p = sub.add_parser("bench", help="measure speed (prompt, decode, chat turn, memory, roofline)",
                        description="Time prompt processing, decoding, a chat turn and memory on a model (or a "
                                    "synthetic GPTQ checkpoint of a preset's shape), optionally beside exllamav2 and "
                                    "transformers; docs/performance.md explains the figures.")
-    p.add_argument("--model", type=existing_path, metavar="DIR",
+    p.add_argument("--model", type=model_path, metavar="DIR",
                    help="checkpoint folder (default: build a synthetic GPTQ one of --preset's shape)")
     p.add_argument("--preset", default="llama2-7b", choices=sorted(PRESETS), metavar="NAME",
                    help="shape of the synthetic checkpoint: " + ", ".join(sorted(PRESETS)))
@@ -51,6 +56,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--group-size", type=int_at_least(1), default=128, metavar="N",
                    help="GPTQ group size of the synthetic checkpoint")
     p.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N")
+    add_threads_argument(p)
     p.add_argument("--no-graphs", action="store_true", help="eager decode (debugging)")
     p.add_argument("--compare", nargs="?", const=DEFAULT_COMPARE, default=None, type=reference_list,
                    metavar="NAME[,NAME]",
@@ -64,7 +70,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "--draft-preset or --draft-model, a draft model, on repetitive and random text")
     p.add_argument("--draft-preset", default=None, choices=sorted(PRESETS), metavar="NAME",
                    help="shape of a synthetic draft checkpoint for --speculative (e.g. qwen2.5-0.5b for qwen2.5-7b)")
-    p.add_argument("--draft-model", type=existing_path, default=None, metavar="DIR",
+    p.add_argument("--draft-model", type=model_path, default=None, metavar="DIR",
                    help="a real draft checkpoint for --speculative (instead of --draft-preset)")
     p.add_argument("--draft-tokens", type=int_at_least(1, 16), default=4, metavar="K",
                    help="tokens drafted per round for --speculative (default 4)")
@@ -115,6 +121,8 @@ def context_list(text: str) -> List[int]:
 
 
 def environment() -> Dict[str, Any]:
+    import torch  # here and below, not at the top: the parser (--help, a bad flag) answers without torch
+
     env: Dict[str, Any] = {"date": datetime.date.today().isoformat(), "kobold_backend": __version__,
                            "python": platform.python_version(), "torch": torch.__version__}
     if torch.cuda.is_available():
@@ -147,6 +155,8 @@ def _compared(bench: Any, path: str) -> Dict[str, Any]:
         return bench(path)
     except Exception as exc:  # the other engine's failure is a result of the comparison, not of this bench
         log.warning("%s failed: %s: %s", bench.__name__, type(exc).__name__, exc)
+        import torch
+
         torch.cuda.empty_cache()
         return {"skipped": f"failed on this checkpoint ({type(exc).__name__}: {exc})"}
 
@@ -212,6 +222,8 @@ def _measure(args: argparse.Namespace, path: str, shape: Dict[str, Any], compare
              llama_bench: Optional[str], tmp: Path, quick: bool, cache_dtype: str, first: bool) -> Dict[str, Any]:
     """One timing of the engine with `cache_dtype` (and its references); speculation and samplers once, on the
     first cache dtype of the list."""
+    import torch
+
     from kobold_backend.bench.engine_bench import bench_engine
 
     log.info("measuring kobold-backend with a %s cache", cache_dtype)
@@ -219,7 +231,8 @@ def _measure(args: argparse.Namespace, path: str, shape: Dict[str, Any], compare
                               "act_order": args.act_order, "model": args.model,
                               "format": None if args.model else args.format, "cache_dtype": cache_dtype,
                               "kobold_backend": bench_engine(path, args.device, use_graphs=not args.no_graphs,
-                                                             cache_dtype=cache_dtype, **shape)}
+                                                             cache_dtype=cache_dtype, threads=args.threads,
+                                                             **shape)}
     if compare:
         from kobold_backend.bench.compare import bench_exllamav2, bench_transformers
 

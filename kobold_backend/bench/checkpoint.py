@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
-import torch
-from safetensors.torch import save_file
+if TYPE_CHECKING:  # torch is imported where tensors are made: `kobold-backend bench --help` reads PRESETS only
+    import torch
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,8 @@ _SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj":
 def _gptq_tensors(
     k: int, n: int, group: int, perm: Optional[torch.Tensor], gen: torch.Generator, device: str
 ) -> Dict[str, torch.Tensor]:
+    import torch
+
     groups = -(-k // group)
     qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, generator=gen, device=device)
     scales = (torch.rand((groups, n), generator=gen, device=device) * 0.002 + 0.001).half()
@@ -112,6 +114,8 @@ def save_shard(folder: Path, number: int, shards: int, tensors: Dict[str, torch.
                weight_map: Dict[str, str]) -> int:
     """Write shard `number` (0-based) of `shards` as model-0000N-of-0000M.safetensors, name its tensors in
     `weight_map`; returns its tensor bytes (for the index's total_size)."""
+    from safetensors.torch import save_file
+
     file = f"model-{number + 1:05d}-of-{shards:05d}.safetensors"
     save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(folder / file), metadata={"format": "pt"})
     weight_map.update({k: file for k in tensors})
@@ -133,6 +137,8 @@ def write_synthetic_gptq(
     index: every tensor the architecture's layout names (engine/device_map.config_shapes), GPTQ linears (routed
     experts too; routers dense, as GPTQ repos keep them), unit norms (zeros where the architecture adds 1), small
     embeddings and biases."""
+    import torch
+
     from kobold_backend.engine.config import ModelConfig
     from kobold_backend.engine.device_map import config_shapes
 

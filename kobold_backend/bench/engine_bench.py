@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -30,8 +30,10 @@ def _decode(model: Any, cache: Any, graph: Any, first: int, steps: int) -> List[
 def bench_engine(path: str, device: str = "auto", prompt_lengths: Sequence[int] = (512, 2048),
                  contexts: Sequence[int] = (128, 4000),
                  decode_steps: int = 128, chat_context: int = 3500, chat_new: int = 50,
-                 use_graphs: bool = True, max_seq_len: int = 4608, cache_dtype: str = "fp16") -> Dict[str, Any]:
-    lm = load_model(path, device=device, max_seq_len=max_seq_len, with_tokenizer=False, cache_dtype=cache_dtype)
+                 use_graphs: bool = True, max_seq_len: int = 4608, cache_dtype: str = "fp16",
+                 threads: Optional[int] = None) -> Dict[str, Any]:
+    lm = load_model(path, device=device, max_seq_len=max_seq_len, with_tokenizer=False, cache_dtype=cache_dtype,
+                    threads=threads)
     model = lm.model
     dev = model.device
     vocab = lm.config.vocab_size

@@ -2,7 +2,9 @@
 
 Results go to stdout; progress and logs go to stderr. Every flag is checked by its argparse `type` before anything
 is loaded: a bad value is a usage error (one line on stderr naming the flag, exit status 2); a failure while running
-(a model that does not load, a port in use) is exit status 1.
+(a model that does not load, a port in use) is exit status 1; Ctrl-C is one line and exit status 130. Nothing here
+imports torch before the arguments are parsed (--help, --version and a usage error answer at once): the modules
+that need it are imported inside the subcommands.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import importlib
 import importlib.util
 import logging
 import math
+import signal
 import sys
+import threading
 from typing import TYPE_CHECKING, Any, List, Optional
 
 from kobold_backend import __version__
-from kobold_backend.cli.model_args import add_model_arguments, load_from_args
+from kobold_backend.cli.model_args import add_model_arguments, checked_speculation_kwargs, load_from_args
 from kobold_backend.cli.serve import add_serve_parser, run_serve
 from kobold_backend.errors import KoboldBackendError
 from kobold_backend.flag_types import ArgumentParser, HelpFormatter, float_in, int_at_least
@@ -44,6 +48,7 @@ def generate_request(args: argparse.Namespace, tokenizer: Any) -> GenerationRequ
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    checked_speculation_kwargs(args)  # a bad combination of flags is a usage error before torch is imported
     from kobold_backend.engine.generator import Generator
 
     lm = load_from_args(args)
@@ -56,9 +61,7 @@ def run_generate(args: argparse.Namespace) -> int:
     s = generator.stats
     rate = s.completion_tokens / s.decode_seconds if s.decode_seconds > 0 else 0.0
     log.info("%d prompt tokens in %.3f s, %d new tokens at %.1f tokens/s (%s)", s.prompt_tokens,
-             s.prefill_seconds, s.completion_tokens, rate, s.finish_reason)
-    if s.speculation is not None:
-        log.info("speculation: %s", s.speculation.describe())
+             s.prefill_seconds, s.completion_tokens, rate, s.finish_reason)  # the generator logs the speculation
     return 0
 
 
@@ -144,7 +147,50 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+class _Interrupt:
+    """Ctrl-C (SIGINT) as the command sees it: the handler notes it and raises KeyboardInterrupt. The note stays
+    when a library turns that KeyboardInterrupt into an error of its own (safetensors reading a tensor through
+    torch does), so that error is reported as the interruption it is, not as a broken model."""
+
+    seen = False
+
+    @classmethod
+    def handler(cls, signum: int, frame: Any) -> None:
+        cls.seen = True
+        raise KeyboardInterrupt
+
+    @classmethod
+    def install(cls) -> Any:
+        """Install the handler (main thread only: elsewhere Ctrl-C never arrives); returns the one it replaced."""
+        cls.seen = False
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        return signal.signal(signal.SIGINT, cls.handler)
+
+
+def _interrupted() -> int:
+    """One sentence on stderr (after the progress bar's line on a terminal) and exit status 130, as shells use.
+    Log records from here on (torch logs statistics at exit when its import was cut short) are dropped."""
+    logging.disable(logging.WARNING)
+    sys.stderr.write(("\n" if sys.stderr.isatty() else "") + "kobold-backend: stopped by Ctrl-C.\n")
+    return 130
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    from kobold_backend.engine.cpu_threads import prepare_environment
+
+    prepare_environment()  # before torch's OpenMP runtime starts: waiting threads sleep instead of spinning
+    previous = _Interrupt.install()
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        return _interrupted()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _run(argv: Optional[List[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -155,11 +201,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KoboldBackendError as exc:
+        if _Interrupt.seen:
+            return _interrupted()
         log.error("%s", exc)
         return 1
-    except KeyboardInterrupt:
-        return 130
     except Exception as exc:  # noqa: BLE001 - one line for the person; the traceback with --verbose
+        if _Interrupt.seen:
+            return _interrupted()
         log.error("%s: %s", type(exc).__name__, exc)
         log.debug("traceback", exc_info=True)
         return 1

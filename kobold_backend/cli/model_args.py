@@ -1,5 +1,5 @@
 """Options shared by every subcommand that loads a model (--model, --device, --dtype, --max-context, RoPE, the
-layer split) and the one function that loads a model from them, with progress on stderr."""
+layer split, --threads) and the one function that loads a model from them, with progress on stderr."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Any, Dict
 
 from kobold_backend.cli.split import add_split_arguments, split_from_args
 from kobold_backend.errors import RequestError
-from kobold_backend.flag_types import device_name, dtype_name, existing_path, float_in, int_at_least
+from kobold_backend.flag_types import (
+    add_threads_argument,
+    device_name,
+    dtype_name,
+    float_in,
+    int_at_least,
+    model_path,
+)
 from kobold_backend.progress import stderr_progress
 
 if TYPE_CHECKING:
@@ -21,7 +28,7 @@ log = logging.getLogger("kobold_backend")
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by every subcommand that loads a model."""
-    parser.add_argument("--model", type=existing_path, metavar="PATH",
+    parser.add_argument("--model", type=model_path, metavar="PATH",
                         help="model folder (safetensors: dense, GPTQ, AWQ) or a .gguf file (default: the built-in "
                              "demo model)")
     parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N")
@@ -43,10 +50,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative", choices=("off", "ngram", "draft"), default=None,
                         help="speculative decoding: ngram (prompt lookup, no second model) or draft (needs "
                              "--draft-model, which implies it); default off")
-    parser.add_argument("--draft-model", type=existing_path, default=None, metavar="DIR",
+    parser.add_argument("--draft-model", type=model_path, default=None, metavar="DIR",
                         help="a small model with the same tokenizer that drafts tokens for the target to verify")
     parser.add_argument("--draft-tokens", type=int_at_least(1, 16), default=None, metavar="K",
                         help="tokens drafted per round (default: 4 with a draft model, 5 with ngram)")
+    add_threads_argument(parser)
     add_split_arguments(parser)
 
 
@@ -72,6 +80,7 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
         rope_alpha=args.rope_alpha,
         compress_pos_emb=args.compress_pos_emb,
         cache_dtype=args.cache_dtype,
+        threads=args.threads,
         progress=stderr_progress("loading"),
         **speculation,
     )

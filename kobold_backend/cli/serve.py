@@ -77,8 +77,12 @@ def _chat_template(path: Optional[Path]) -> Optional[str]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Bind the port, load the model, then serve until interrupted."""
+    """Bind the port, load the model, then serve until interrupted. The flags are checked before the server's
+    modules (and torch) are imported."""
     from kobold_backend.cli.model_args import checked_speculation_kwargs
+
+    chat_template = _chat_template(args.chat_template)
+    speculation = checked_speculation_kwargs(args)
     from kobold_backend.cli.split import split_from_args
     from kobold_backend.progress import stderr_progress
     from kobold_backend.server.app import create_app
@@ -87,8 +91,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from kobold_backend.server.engine_holder import EngineHolder
     from kobold_backend.server.wsgi import AddressUnavailable, WaitressServer, bind_listening_socket
 
-    chat_template = _chat_template(args.chat_template)
-    speculation = checked_speculation_kwargs(args)
     passthrough = None
     if args.enable_passthrough:
         from kobold_backend.engine.passthrough import PassthroughConfig
@@ -104,7 +106,7 @@ def run_serve(args: argparse.Namespace) -> int:
         load_kwargs = {"device": args.device, "dtype": args.dtype, "max_seq_len": args.max_context,
                        "embed_on_cpu": args.embed_on_cpu, "rope_alpha": args.rope_alpha,
                        "compress_pos_emb": args.compress_pos_emb, **speculation,
-                       "cache_dtype": args.cache_dtype}
+                       "cache_dtype": args.cache_dtype, "threads": args.threads}
         holder = EngineHolder(load_kwargs={k: v for k, v in load_kwargs.items() if v is not None})
         path = args.model
         if path is None:

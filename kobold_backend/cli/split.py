@@ -7,9 +7,12 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Union
 
-from kobold_backend.engine.device_map import HardwareProbe, PlanError, plan_split
+from kobold_backend.errors import PlanError
+
+if TYPE_CHECKING:
+    from kobold_backend.engine.device_map import HardwareProbe
 
 
 def parse_gpu_split(text: str) -> Union[str, Dict[str, float]]:
@@ -75,6 +78,8 @@ def split_from_args(
 ) -> Optional[List[str]]:
     """The layer_devices that --gpu-split / --cpu-layers ask for (None: no split), the plan logged. When there
     is a plan, `args.device` is set to its head device (where load_model puts norm and lm_head)."""
+    from kobold_backend.engine.device_map import plan_split
+
     gpu_split = getattr(args, "gpu_split", None)
     plan = plan_split(
         folder, max_seq_len,

@@ -49,7 +49,9 @@ class ModelConfig(ConfigData):
         if is_gguf_file(folder):
             return cls._from_gguf(folder)
         if not folder.is_dir():
-            raise ModelFormatError(f"Model folder {folder} does not exist or is not a folder.")
+            from kobold_backend.engine.model_path import model_path_problem
+
+            raise ModelFormatError(model_path_problem(folder) or f"{folder} is not a folder.")
         cfg_path = folder / "config.json"
         if not is_model_file(cfg_path):
             gguf = model_files(folder, "*.gguf")

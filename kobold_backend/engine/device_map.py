@@ -19,7 +19,7 @@ from kobold_backend.engine.cache import MAX_SNAPSHOTS, cache_bytes_per_token
 from kobold_backend.engine.config import ModelConfig
 from kobold_backend.engine.loader import DEFAULT_MAX_SEQ_LEN, resolve_dtype
 from kobold_backend.engine.weights import WeightReader
-from kobold_backend.errors import KoboldBackendError, ModelFormatError
+from kobold_backend.errors import ModelFormatError, PlanError
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +29,6 @@ DEFAULT_CPU_RESERVE_GIB = 1.0
 PREFILL_CHUNK = 2048  # the most tokens the generator feeds through the model at once
 GPU_LIBRARY_BYTES = 128 << 20  # cuBLAS/cuBLASLt workspaces and kernel scratch, per GPU in use
 Shapes = Dict[str, Tuple[int, ...]]
-
-
-class PlanError(KoboldBackendError, ValueError):
-    """A layer split that cannot work: counts that do not add up, an unknown device, or too little memory."""
 
 
 # ---------------------------------------------------------------------------------------------------------------

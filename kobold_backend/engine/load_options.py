@@ -4,17 +4,20 @@ split planned against free memory by kobold_backend.engine.device_map.
 
 Parameter ids: "valid_layers" (the "Valid Display" total), "<i>_Layers" per CUDA device, "CPU_Layers",
 "max_ctx", "compress_emb", "ntk_alpha", "cache_dtype" (the compute dtype), "kv_cache" (the KV cache's storage:
-fp16, q8, q4, k8v4), "embed_on_cpu", "speculative", "draft_model", "draft_tokens". Saved settings use the same ids.
+fp16, q8, q4, k8v4), "embed_on_cpu", "threads" (CPU threads; 0 = the physical cores), "speculative", "draft_model",
+"draft_tokens". Saved settings use the same ids.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from kobold_backend.engine.config import ModelConfig
+from kobold_backend.engine.cpu_threads import MAX_THREADS, default_threads
 from kobold_backend.engine.device_map import HardwareProbe, plan_split
 from kobold_backend.engine.speculative import MAX_DRAFT_TOKENS
 from kobold_backend.errors import KoboldBackendError, RequestError
@@ -22,23 +25,23 @@ from kobold_backend.errors import KoboldBackendError, RequestError
 CPU_LAYERS = "CPU_Layers"
 MENU_LAYERS = "Layers"
 MENU_CONFIG = "Configuration"
-CACHE_DTYPES = (
-    ("auto", "Auto (float16 on GPU, bfloat16 for bfloat16 checkpoints; float32 on CPU)"),
+CACHE_DTYPES = (  # short texts: a dropdown shows one line (the page's is about 290 pixels wide); the tooltip explains
+    ("auto", "Auto (by device and checkpoint)"),
     ("float16", "16-bit float (float16)"),
     ("bfloat16", "16-bit brain float (bfloat16)"),
-    ("float32", "32-bit float (float32, CPU-sized memory)"),
+    ("float32", "32-bit float (float32)"),
 )
 SPECULATIVE_MODES = (
     ("off", "Off"),
-    ("ngram", "Prompt lookup (n-gram drafts, no second model)"),
-    ("draft", "Draft model (the folder below; same tokenizer)"),
+    ("ngram", "Prompt lookup (n-gram drafts)"),
+    ("draft", "Draft model (the folder below)"),
 )
 NO_DRAFT = "none"  # the draft-folder field's empty value (United refuses a parameter whose default is "")
 KV_CACHES = (
-    ("fp16", "16-bit (the compute dtype; largest, exact)"),
-    ("q8", "8-bit (about half the memory; near-lossless)"),
-    ("k8v4", "8-bit keys, 4-bit values (about 40 % of 16-bit)"),
-    ("q4", "4-bit (about a quarter of the memory; small quality loss)"),
+    ("fp16", "16-bit (exact)"),
+    ("q8", "8-bit (half the memory)"),
+    ("k8v4", "8-bit keys, 4-bit values"),
+    ("q4", "4-bit (a quarter; some loss)"),
 )
 CTX_STEP = 256
 DEFAULT_CTX_CAP = 8192
@@ -224,7 +227,9 @@ def requested_parameters(
         "label": "Compute / KV cache dtype",
         "id": "cache_dtype",
         "default": dtype if dtype in dict(CACHE_DTYPES) else "auto",
-        "tooltip": "The dtype of activations and of the KV cache (layers on the CPU always use float32).",
+        "tooltip": "The dtype of activations and of the KV cache. Auto: float16 on a GPU, bfloat16 for bfloat16 "
+                   "checkpoints, float32 on the CPU (layers on the CPU always use float32, which takes twice the "
+                   "memory of 16 bits).",
         "children": [{"text": text, "value": value} for value, text in CACHE_DTYPES],
         "menu_path": MENU_CONFIG,
         "extra_classes": "",
@@ -238,7 +243,9 @@ def requested_parameters(
         "id": "kv_cache",
         "default": kv if kv in dict(KV_CACHES) else "fp16",
         "tooltip": ("How the KV cache stores keys and values: 8- or 4-bit groups of 32 with fp16 scales fit a "
-                    "longer context in the same memory (like exllamav2's Q8/Q4 cache or KoboldCpp's --quantkv)."),
+                    "longer context in the same memory (like exllamav2's Q8/Q4 cache or KoboldCpp's --quantkv): "
+                    "16-bit is the compute dtype, exact; 8-bit about half of it, near-lossless; 8-bit keys with "
+                    "4-bit values about 40 %; 4-bit about a quarter, with a small quality loss."),
         "children": [{"text": text, "value": value} for value, text in KV_CACHES],
         "menu_path": MENU_CONFIG,
         "extra_classes": "",
@@ -255,8 +262,33 @@ def requested_parameters(
         "extra_classes": "",
         "refresh_model_inputs": False,
     })
+    params.append(_threads_parameter(saved))
     params.extend(_speculation_parameters(saved))
     return params
+
+
+def _threads_parameter(saved: Dict[str, Any]) -> Dict[str, Any]:
+    """CPU threads for torch and the native CPU kernels; 0 = the engine's default (the physical cores)."""
+    cores = default_threads()
+    try:
+        value = max(0, min(MAX_THREADS, _as_int(saved.get("threads", 0), "threads")))
+    except RequestError:
+        value = 0
+    return {
+        "uitype": "slider",
+        "unit": "int",
+        "label": "CPU threads (0 = physical cores)",
+        "id": "threads",
+        "min": 0,
+        "max": max(cores, value, os.cpu_count() or 1),
+        "step": 1,
+        "default": value,
+        "tooltip": f"Threads for the layers on the CPU; 0 uses the physical cores ({cores} here). Fewer help when "
+                   "other programs keep the cores busy.",
+        "menu_path": MENU_CONFIG,
+        "extra_classes": "",
+        "refresh_model_inputs": False,
+    }
 
 
 def _speculation_parameters(saved: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -272,7 +304,8 @@ def _speculation_parameters(saved: Dict[str, Any]) -> List[Dict[str, Any]]:
         dict(common, uitype="dropdown", unit="text", label="Speculative decoding", id="speculative",
              default=mode if mode in dict(SPECULATIVE_MODES) else "off",
              tooltip="Draft several tokens cheaply and let the model check them in one pass: same output "
-                     "distribution, faster when the drafts are often right (repetitive text, a good draft model).",
+                     "distribution, faster when the drafts are often right (repetitive text, a good draft model). "
+                     "Prompt lookup needs no second model; a draft model must share the tokenizer.",
              children=[{"text": text, "value": value} for value, text in SPECULATIVE_MODES]),
         dict(common, uitype="text", unit="text", label="Draft model folder", id="draft_model",
              default=str(saved.get("draft_model", "") or NO_DRAFT),
@@ -325,6 +358,7 @@ class LoadOptions:
     layer_counts: Dict[str, int]
     cache_dtype: str = "fp16"
     speculation: Optional[Dict[str, Any]] = None  # load_model's speculative / draft_model / draft_tokens
+    threads: Optional[int] = None  # None: the engine's default (engine/cpu_threads.py)
 
     def load_kwargs(self) -> Dict[str, Any]:
         return {
@@ -336,6 +370,7 @@ class LoadOptions:
             "dtype": self.dtype,
             "embed_on_cpu": self.embed_on_cpu,
             "cache_dtype": self.cache_dtype,
+            **({"threads": self.threads} if self.threads else {}),  # else the host's own setting stays
             **(self.speculation or {}),  # only when submitted: else the server's own flags stay
         }
 
@@ -386,6 +421,9 @@ def load_options(
         raise RequestError(f"kv_cache {kv} needs a head size that is a multiple of 32; this model's is "
                            f"{config.head_dim}", "kv_cache")
     embed_on_cpu = _as_bool(values.get("embed_on_cpu", False))
+    threads = _as_int(values.get("threads", 0) or 0, "threads")
+    if not 0 <= threads <= MAX_THREADS:
+        raise RequestError(f"threads must be between 0 (the physical cores) and {MAX_THREADS}", "threads")
     speculation = _speculation_values(values)
     spec_kwargs: Optional[Dict[str, Any]] = None
     if speculation["speculative"] != "off":
@@ -393,7 +431,7 @@ def load_options(
     elif "speculative" in values:  # an explicit "off" also switches off what the server was started with
         spec_kwargs = {"speculative": "off"}
     saved = dict(split, max_ctx=max_ctx, compress_emb=compress, ntk_alpha=alpha, cache_dtype=dtype,
-                 kv_cache=kv, embed_on_cpu=embed_on_cpu, speculative=speculation["speculative"],
+                 kv_cache=kv, embed_on_cpu=embed_on_cpu, threads=threads, speculative=speculation["speculative"],
                  draft_model=speculation.get("draft_model", NO_DRAFT), draft_tokens=speculation["draft_tokens"])
     uniform = len(set(layer_devices)) <= 1
     return LoadOptions(
@@ -407,6 +445,7 @@ def load_options(
         values=saved,
         cache_dtype=kv,
         speculation=spec_kwargs,
+        threads=threads or None,
         layer_counts={("cpu" if key == CPU_LAYERS else f"cuda:{key[: -len('_Layers')]}"): count
                       for key, count in split.items()},
     )

@@ -23,8 +23,9 @@ from kobold_backend.engine.mlp_fold import fold_down_permutation
 from kobold_backend.engine.model import Layer, Model, Weight
 from kobold_backend.engine.model_files import is_gguf_file
 from kobold_backend.engine.rope import cos_sin_tables
+from kobold_backend.engine.stored_format import stored_format
 from kobold_backend.engine.tokenizer import Tokenizer, load_tokenizer
-from kobold_backend.engine.weight_format import WeightFormat, describe
+from kobold_backend.engine.weight_format import WeightFormat
 from kobold_backend.engine.weights import WeightReader
 from kobold_backend.errors import ModelFormatError
 from kobold_backend.ops.exl2_weight import EXL2Weight
@@ -152,6 +153,7 @@ def load_model(
     draft_model: Optional[Union[str, Path]] = None,
     draft_tokens: int = 0,
     checkpoint: Optional[Checkpoint] = None,
+    threads: Optional[int] = None,
 ) -> LoadedModel:
     """Load a checkpoint of a registered architecture from a folder (dense or GPTQ 4-bit) or a GGUF file.
 
@@ -161,8 +163,10 @@ def load_model(
     `speculative` ("off", "ngram", "draft") with `draft_model` and `draft_tokens`: see engine/speculative.py; the
     draft model (ignored when off) goes on the head's device with the target's dtype and context, and must share
     the tokenizer. `checkpoint`: the model already opened and checked by open_checkpoint(path) (taken over and
-    closed here); without it load_model opens it.
+    closed here); without it load_model opens it. `threads`: CPU threads for torch and the native CPU kernels
+    (default: the physical cores; engine/cpu_threads.py).
     """
+    from kobold_backend.engine.cpu_threads import apply_threads
     from kobold_backend.engine.speculative import check_speculation
 
     try:
@@ -174,6 +178,7 @@ def load_model(
         if checkpoint is not None:
             checkpoint.close()
         raise
+    cpu_threads = apply_threads(threads)
     folder, config, tokenizer, reader = checkpoint.path, checkpoint.config, checkpoint.tokenizer, checkpoint.reader
     with reader:
         if speculative == "draft" and draft_model is not None and tokenizer is not None:
@@ -195,9 +200,9 @@ def load_model(
         check_cache_memory(config, per_layer, compute_dtype, seq_len, cache_dtype)
         model = _build(reader, config, main, per_layer, compute_dtype, seq_len, embed_on_cpu,
                        rope_alpha, compress_pos_emb, progress, cache_dtype)
-    fmt = describe(config, model.layers)
-    log.info("loaded %s (%s, %s): %d layers, %.1f MB of weights on %s, %s KV cache", folder.name,
-             config.architecture, fmt, config.num_layers, model.nbytes / 1e6, main, cache_dtype)
+    fmt = stored_format(folder)  # the one computation of format and bits per weight, doctor's too
+    log.info("loaded %s (%s, %s): %d layers, %.1f MB of weights on %s, %s KV cache, CPU threads: %d", folder.name,
+             config.architecture, fmt, config.num_layers, model.nbytes / 1e6, main, cache_dtype, cpu_threads)
     lm = LoadedModel(model=model, tokenizer=tokenizer,  # type: ignore[arg-type]
                      config=config, path=folder, name=folder.name, weight_format=fmt)
     if speculative != "off":

@@ -29,9 +29,10 @@ class SamplerField:
     refused); `kobold` is its key in KoboldAI/KoboldCpp bodies (None: not sent there), with KoboldCpp's default,
     range and description where they differ from the engine's; `openai` lists the other names OpenAI clients (and
     SillyTavern) use, and `openai_default` its default on /v1 when that is not KoboldCpp's; `united` is the
-    attribute of United's GenerationSettings, with United's default; `cli_default` makes it a flag of `kobold-backend
-    generate` with that default; `page_label` shows it on the web page (with `page_step`, and `page_default` when
-    the page starts from another value than KoboldCpp's default)."""
+    attribute of United's GenerationSettings, with United's default; `cli` makes it a flag of `kobold-backend
+    generate`, whose default is the KoboldAI API's (one default for the command line and the HTTP API);
+    `page_label` shows it on the web page (with `page_step`, and `page_default` when the page starts from another
+    value than KoboldCpp's default)."""
 
     name: str
     kind: str
@@ -52,7 +53,7 @@ class SamplerField:
     openai_default: Any = SAME
     united: Optional[str] = None
     united_default: Any = None
-    cli_default: Any = None
+    cli: bool = False
     page_label: str = ""
     page_step: Optional[float] = None
     page_default: Any = SAME
@@ -70,11 +71,11 @@ S = SamplerField
 SAMPLER_FIELDS: Tuple[SamplerField, ...] = (
     S("temperature", "number", 1.0, "Sampling temperature; 0 picks the most likely token.",
       kobold="temperature", kobold_default=0.7, kobold_minimum=0, openai_default=1.0, united="temp",
-      united_default=0.5, cli_default=0.7, page_label="Temperature", page_step=0.05),
+      united_default=0.5, cli=True, page_label="Temperature", page_step=0.05),
     S("top_k", "integer", 0, "Top-k (0 = off).", kobold="top_k", kobold_default=100, kobold_minimum=0,
-      openai_default=0, united="top_k", united_default=0, cli_default=0, page_label="Top-k"),
+      openai_default=0, united="top_k", united_default=0, cli=True, page_label="Top-k"),
     S("top_p", "number", 1.0, "Top-p / nucleus (1 = off).", minimum=0, maximum=1, kobold="top_p",
-      kobold_default=0.92, openai_default=1.0, united="top_p", united_default=0.9, cli_default=0.92,
+      kobold_default=0.92, openai_default=1.0, united="top_p", united_default=0.9, cli=True,
       page_label="Top-p", page_step=0.01),
     S("top_a", "number", 0.0, "Top-a (0 = off).", minimum=0, kobold="top_a", united="top_a", united_default=0.0,
       page_label="Top-a", page_step=0.01),
@@ -87,7 +88,7 @@ SAMPLER_FIELDS: Tuple[SamplerField, ...] = (
     S("rep_pen", "number", 1.0, "Repetition penalty (1 = off; the rule is rep_pen_mode's).", minimum=0, above=True,
       kobold="rep_pen", kobold_minimum=1, kobold_doc="Repetition penalty (KoboldCpp semantics; 1 = off). Aliases "
       "repeat_penalty and repetition_penalty; the largest value wins.",
-      kobold_aliases=("repeat_penalty", "repetition_penalty"), united="rep_pen", united_default=1.1, cli_default=1.0,
+      kobold_aliases=("repeat_penalty", "repetition_penalty"), united="rep_pen", united_default=1.1, cli=True,
       page_label="Rep. penalty", page_step=0.01, page_default=1.07),
     S("rep_pen_range", "integer", 0, "Tokens looked back by the repetition penalty.", minimum=0,
       kobold="rep_pen_range", kobold_default=320, united="rep_pen_range", united_default=2048,
@@ -159,8 +160,9 @@ def openai_defaults() -> Dict[str, Any]:
 
 
 def cli_defaults() -> Dict[str, Any]:
-    """Setting -> its default as a flag of `kobold-backend generate` (the settings that are flags there)."""
-    return {f.name: f.cli_default for f in SAMPLER_FIELDS if f.cli_default is not None}
+    """Setting -> its default as a flag of `kobold-backend generate` (the settings that are flags there): the
+    KoboldAI API's default, so a prompt samples the same from the command line as over /api/v1."""
+    return {f.name: f.wire_default() for f in SAMPLER_FIELDS if f.cli}
 
 
 def page_controls() -> List[Dict[str, Any]]:

@@ -41,6 +41,15 @@ CPU_SIGNATURES: Dict[str, Tuple[str, ...]] = {
     "kvq_decode_attention": ("q", "q_sb", "q_sh", "b", "hq", "hkv", "d", "kd", "ks", "vd", "vs", "kds", "kss", "vds",
                              "vss", "k_bits", "v_bits", "seq_len", "scale", "window", "softcap", "out", "threads"),
 }
+# Weights (multiply-adds) a thread of a GEMV or dequantization gets at least: below that, waking a thread for an
+# OpenMP region costs more than it saves (the kernels without an `if` clause of their own; the others have one).
+MIN_WEIGHTS_PER_THREAD = 1 << 18
+
+
+def threads_for(weights: int) -> int:
+    """Threads for a kernel over `weights` weights: torch's count (engine/cpu_threads.py sets it), fewer for small
+    work."""
+    return max(1, min(torch.get_num_threads(), weights // MIN_WEIGHTS_PER_THREAD))
 
 
 class CpuKernels:
@@ -49,8 +58,10 @@ class CpuKernels:
     def __init__(self, module: Any) -> None:
         self.module = module
 
-    def _call(self, kernel: str, **args: Any) -> None:
-        call(self.module, kernel, CPU_SIGNATURES, threads=torch.get_num_threads(), **args)
+    def _call(self, kernel: str, weights: Optional[int] = None, **args: Any) -> None:
+        """The kernel with torch's thread count, or with threads_for(weights) when the work is counted."""
+        threads = torch.get_num_threads() if weights is None else threads_for(weights)
+        call(self.module, kernel, CPU_SIGNATURES, threads=threads, **args)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -82,7 +93,8 @@ class CpuKernels:
             return reference.gptq_dequantize(w)
         check_gptq(w, w.qweight.device)
         y = out_tensor(out, (w.in_features, w.out_features), w.scales)
-        self._call("gptq_dequantize", qweight=w.qweight.data_ptr(), k=w.in_features, n=w.out_features,
+        self._call("gptq_dequantize", weights=w.in_features * w.out_features,
+                   qweight=w.qweight.data_ptr(), k=w.in_features, n=w.out_features,
                    scales=w.scales.data_ptr(), zeros=w.zeros.data_ptr(), sz_dtype=DTYPE_CODES[w.scales.dtype],
                    group_size=w.group_size, groups=w.scales.shape[0], out=y.data_ptr())
         return y
@@ -100,7 +112,8 @@ class CpuKernels:
         x2 = last_contiguous(x)
         y = out_tensor(out, (m, w.out_features), x)
         bias = w.bias
-        self._call("gptq_gemv", x=x2.data_ptr(), x_dtype=DTYPE_CODES[x.dtype], x_stride=x2.stride(0), rows=m,
+        self._call("gptq_gemv", weights=m * w.in_features * w.out_features,
+                   x=x2.data_ptr(), x_dtype=DTYPE_CODES[x.dtype], x_stride=x2.stride(0), rows=m,
                    k=w.in_features, perm=0 if w.perm is None else w.perm.data_ptr(), qweight=w.qweight.data_ptr(),
                    n=w.out_features, scales=w.scales.data_ptr(), zeros=w.zeros.data_ptr(),
                    sz_dtype=DTYPE_CODES[w.scales.dtype], group_size=w.group_size, groups=w.scales.shape[0],
@@ -197,7 +210,8 @@ class CpuKernels:
         if dtype not in DTYPE_CODES or not ggml.kernel_layout_ok(w, w.data.device):
             return ggml.ggml_dequantize(w).to(dtype)
         y = torch.empty((w.out_features, w.in_features), dtype=dtype)
-        self._call("ggml_dequantize", type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(), row_bytes=w.data.shape[1],
+        self._call("ggml_dequantize", weights=w.in_features * w.out_features,
+                   type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(), row_bytes=w.data.shape[1],
                    n=w.out_features, k=w.in_features, out=y.data_ptr(), out_dtype=DTYPE_CODES[dtype])
         return y
 
@@ -214,7 +228,8 @@ class CpuKernels:
         x2, bias = last_contiguous(x), w.bias
         bias = None if bias is None else bias.contiguous()
         y = torch.empty((m, w.out_features), dtype=x.dtype)
-        self._call("ggml_gemv", type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(), row_bytes=w.data.shape[1],
+        self._call("ggml_gemv", weights=m * w.in_features * w.out_features,
+                   type=ggml.TYPE_IDS[w.type_name], w=w.data.data_ptr(), row_bytes=w.data.shape[1],
                    n=w.out_features, k=w.in_features, x=x2.data_ptr(), x_dtype=DTYPE_CODES[x.dtype],
                    x_stride=x2.stride(0), rows=m, bias=0 if bias is None else bias.data_ptr(),
                    bias_dtype=0 if bias is None else DTYPE_CODES[bias.dtype], out=y.data_ptr(),

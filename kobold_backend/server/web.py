@@ -45,12 +45,28 @@ def index() -> Any:
     return resp
 
 
+def _model_id(active: Any, models_dir: Any) -> Any:
+    """The picker's id of the loaded model: the demo's, its name under --models-dir, else None (a --model outside
+    it, which the page shows as its own entry)."""
+    if active is None:
+        return None
+    if active.is_demo:
+        return model_files.DEMO_ID
+    if models_dir is not None:
+        try:
+            return Path(active.path).resolve().relative_to(Path(models_dir).resolve()).as_posix()
+        except ValueError:
+            return None
+    return None
+
+
 @bp.get("/ui/status")
 def status() -> Any:
     state = get_state()
     active = state.holder.active
     return jsonify({
         "model": None if active is None else active.name,
+        "model_id": _model_id(active, state.config.models_dir),
         "architecture": None if active is None else active.architecture,
         "weight_format": None if active is None else active.weight_format,
         "is_demo": bool(active is not None and active.is_demo),

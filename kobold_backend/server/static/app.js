@@ -9,6 +9,9 @@ const $ = (id) => document.getElementById(id);
 
 let genkey = null;
 let mode = "story";
+let lastStatus = null;  // /ui/status as last read (null: not read yet, e.g. the API key is missing)
+// Loading from the page needs --models-dir; without it the picker shows the served model and nothing is loadable.
+let canLoad = false;
 let chatTemplate = false;
 const chatHistory = [];
 
@@ -55,6 +58,7 @@ async function refreshStatus() {
     return null;
   }
   $("key-box").hidden = !st.protected;
+  lastStatus = st;
   if (st.loading) $("status").textContent = "loading " + st.loading + "…";
   else if (st.model) {
     const arch = st.architecture ? " (" + st.architecture + ")" : "";
@@ -78,20 +82,53 @@ async function refreshStatus() {
   return st;
 }
 
+// The picker: the models under --models-dir (with the demo), the loaded one selected and marked; a model served
+// from outside that folder (--model) is its own first entry. Without --models-dir only the loaded model is shown,
+// the picker, the options and Load are disabled, and a note says how to enable loading.
 async function loadModelList() {
   const sel = $("model-select");
-  try {
-    const data = await api("GET", "/ui/models");
-    sel.innerHTML = "";
-    for (const m of data.models) {
-      const opt = document.createElement("option");
-      opt.value = m.id;
-      opt.textContent = m.name;
-      sel.appendChild(opt);
+  const st = lastStatus;
+  if (!st) return;
+  canLoad = Boolean(st.models_dir);
+  let models = [];
+  if (canLoad) {
+    try {
+      models = (await api("GET", "/ui/models")).models;
+    } catch (e) {
+      setMsg("load-msg", e.message, true);
     }
-    await loadParams();
-  } catch (e) {
-    setMsg("load-msg", e.message, true);
+  }
+  const listed = models.some((m) => m.id === st.model_id);
+  if (st.model && !listed) models.unshift({ id: "", name: st.model });
+  sel.innerHTML = "";
+  for (const m of models) {
+    const opt = document.createElement("option");
+    opt.value = m.id;
+    opt.dataset.name = m.name;
+    sel.appendChild(opt);
+  }
+  markLoaded(true);
+  sel.disabled = !canLoad;
+  $("load-params").hidden = !canLoad;
+  if (!canLoad) {
+    $("load-params").innerHTML = "";
+    $("load-btn").disabled = true;
+    setMsg("load-msg", "This server serves the model it was started with; start it with --models-dir DIR to "
+      + "load other models here.", false);
+    return;
+  }
+  await loadParams();
+}
+
+// " (loaded)" after the loaded model's entry; with `select`, that entry is also chosen.
+function markLoaded(select) {
+  const st = lastStatus || {};
+  const options = Array.from($("model-select").options);
+  const listed = options.some((o) => o.value !== "" && o.value === st.model_id);
+  for (const opt of options) {
+    const loaded = Boolean(st.model) && (listed ? opt.value === st.model_id : opt.value === "");
+    opt.textContent = loaded ? opt.dataset.name + " (loaded)" : opt.dataset.name;
+    if (select && loaded) opt.selected = true;
   }
 }
 
@@ -130,7 +167,10 @@ async function loadParams() {
   const form = $("load-params");
   form.innerHTML = "";
   const model = $("model-select").value;
-  if (!model) return;
+  if (!model) {  // the served model from outside --models-dir: nothing here can load it again
+    $("load-btn").disabled = true;
+    return;
+  }
   try {
     const data = await api("GET", "/ui/parameters?model=" + encodeURIComponent(model));
     for (const p of data.parameters) {
@@ -180,7 +220,7 @@ function updateValidDisplays() {
     label.classList.toggle("error", !ok);
     valid = valid && ok;
   }
-  $("load-btn").disabled = !valid;
+  $("load-btn").disabled = !valid || !canLoad;
 }
 
 function collectParams() {
@@ -206,8 +246,9 @@ async function loadModel() {
     setMsg("load-msg", e.message, true);
   } finally {
     clearInterval(poll);
-    $("load-btn").disabled = false;
     await refreshStatus();
+    markLoaded(false);
+    updateValidDisplays();
   }
 }
 
