@@ -117,11 +117,13 @@ def compile_here(with_cuda: bool) -> None:
 
 def report() -> None:
     """Which path serves CPU and CUDA tensors now, checked in a fresh interpreter of this environment."""
-    code = ("from kobold_backend.ops import native\n"
+    code = ("from kobold_backend.doctor import in_use_line\n"
+            "from kobold_backend.ops import native\n"
             "status = native.status()\n"
             "for kind in ('cpu', 'cuda'):\n"
             "    e = status[kind]\n"
-            "    print('%s kernels: %s (%s)' % (kind.upper(), e['path'], e.get('file') or e['reason']))\n")
+            "    why = '' if e['path'] != 'torch' else ' (%s)' % e['reason']\n"
+            "    print('%s kernels: %s%s' % (kind.upper(), in_use_line(e).strip()[len('in use: '):], why))\n")
     env = dict(os.environ, KOBOLD_BACKEND_EXT="prebuilt")  # report what is installed; never start a JIT build
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT), env=env)
     for line in (proc.stdout + proc.stderr).splitlines():
