@@ -13,6 +13,7 @@ from kobold_backend.server.config import ServerConfig
 from kobold_backend.server.engine_holder import EngineHolder
 from kobold_backend.server.errors import register_error_handlers
 from kobold_backend.server.generation import PerfStats
+from kobold_backend.server.memory import trim_after_large_bodies
 from kobold_backend.server.queue import WorkQueue
 from kobold_backend.server.state import ServerState
 
@@ -43,6 +44,7 @@ def create_app(config: ServerConfig, engine_holder: EngineHolder, work_queue: Op
     app.extensions["kobold_backend"] = state
     register_error_handlers(app)
     install_auth_and_cors(app, config)
+    trim_after_large_bodies(app)
     app.register_blueprint(api_v1.bp, url_prefix="/api/v1")
     app.register_blueprint(api_v1.bp, url_prefix="/api/latest", name="api_latest")
     app.register_blueprint(api_extra.bp, url_prefix="/api/extra")
