@@ -41,7 +41,8 @@ CASES = {
 }
 REFUSALS = {"concat": "joined string", "listrep": "written value", "lipsum": "at most 10000 words",
             "tojson": "indent of 20000", "format": "format width", "indent": "indent filter",
-            "wordwrap": "wordwrap filter", "string": "string filter", "loop": "longer than 1.0 s"}
+            "wordwrap": "wordwrap filter", "string": "string filter",
+            "loop": "the chat template ran "}  # longer than 1.0 s, or more than 1000000 steps on a fast machine
 TEMPLATE = "{%- set c = messages[0]['content'] -%}" + "".join(
     f"{{%- {'if' if i == 0 else 'elif'} c == '{name}' -%}}{body}" for i, (name, body) in enumerate(CASES.items())
 ) + "{%- else -%}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:{%- endif -%}"
