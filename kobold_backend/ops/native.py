@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import mmap
 import os
 import shutil
 import sys
@@ -202,8 +203,11 @@ def _refuse_other_sources(kind: str, origin: str, file: str) -> None:
     if expected is None:
         return
     with open(file, "rb") as f:
-        data = f.read()
-    if data[:4] in _LIBRARY_MAGIC and expected.encode() not in data:  # anything else fails at import, saying so
+        if f.read(4) not in _LIBRARY_MAGIC:  # anything else fails at import, saying so
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:  # a CUDA module is tens of MB: no copy
+            held = data.find(expected.encode()) >= 0
+    if not held:
         raise _other_sources(kind, origin, file, "unknown", expected)
 
 
