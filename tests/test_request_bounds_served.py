@@ -283,8 +283,9 @@ def test_streamed_events_match_the_published_schema(served: Served, path: str, b
 def test_memory_comes_back_after_large_bodies(served: Served) -> None:
     """Large bodies (refused or tokenized) leave the C allocator's per-thread arenas full of freed pages, which glibc
     keeps for good: the server hands them back after a large request (the probe saw 279 MB grow to 2.35 GB and
-    stay). Three rounds of four concurrent requests of 6-24 MB, then the resident memory is back near where it
-    started."""
+    stay). Three rounds of four concurrent requests of 6-24 MB, then the resident memory is back within the issue's
+    256 MB of where it started (here, 2026-12-03: +781 MB kept without the trim; +170 MB with it after the suite's
+    other tests, whose objects and workers stay around)."""
     requests.get(served.url + "/api/extra/version", timeout=30)
     before = served.rss_mb()
     bodies = [{"prompt": "word " * 1_200_000}, {"prompt": "x" * 24_000_000}, {"prompt": "word " * 400_000},
@@ -296,6 +297,6 @@ def test_memory_comes_back_after_large_bodies(served: Served) -> None:
         for t in threads:
             t.join()
     deadline = time.monotonic() + 5
-    while served.rss_mb() - before > 150 and time.monotonic() < deadline:
+    while served.rss_mb() - before > RSS_GROWTH_MB and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert served.rss_mb() - before < 150, (before, served.rss_mb())
+    assert served.rss_mb() - before < RSS_GROWTH_MB, (before, served.rss_mb())
