@@ -164,6 +164,11 @@ def test_a_file_given_as_the_model_says_what_it_is_before_torch(tmp_path: Path) 
         f"kobold-backend generate: error: argument --model: {notes} is a .txt file, not a model: give a model folder "
         "(config.json and .safetensors files) or a .gguf file (see kobold-backend generate --help)",
         "torch imported: False"]
+    upper = tmp_path / "model.GGUF"  # the loader takes only .gguf for a GGUF file; the command line says so first
+    upper.write_bytes(b"GGUF")
+    proc = subprocess.run([sys.executable, "-c", PROBE, "generate", "--model", str(upper), "--prompt", "x"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert f"{upper} is a .GGUF file, not a model" in proc.stderr and "torch imported: False" in proc.stderr
 
 
 def test_generate_logs_progress_as_lines_and_speculation_once(checkpoints: Any) -> None:
